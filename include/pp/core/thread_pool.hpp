@@ -1,0 +1,102 @@
+// A persistent pool of worker threads running one parallel loop at a time, with no allocation per call.
+//
+// Work is split statically into contiguous chunks, so which thread computes an item never changes the
+// item's result: kernels compute each output element the same way whatever the thread count.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace pp {
+
+class ThreadPool {
+ public:
+  // n_threads counts the calling thread; 0 means the hardware concurrency.
+  explicit ThreadPool(unsigned n_threads = 0) {
+    if (n_threads == 0) n_threads = std::max(1u, std::thread::hardware_concurrency());
+    n_ = n_threads;
+    for (unsigned t = 1; t < n_; ++t) workers_.emplace_back([this, t] { loop(t); });
+  }
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+  ~ThreadPool() {
+    {
+      std::lock_guard lk(mu_);
+      stop_ = true;
+      ++generation_;
+    }
+    cv_.notify_all();
+    for (auto& w : workers_) w.join();
+  }
+
+  unsigned size() const { return n_; }
+
+  // Calls fn(begin, end, t) over [0, n) split into size() contiguous chunks, t being the chunk (thread)
+  // index in [0, size()); returns when all are done.
+  template <class Fn>
+  void parallel_for(std::size_t n, Fn&& fn) {
+    if (n == 0) return;
+    if (n_ == 1 || n == 1) {
+      fn(std::size_t(0), n, 0u);
+      return;
+    }
+    std::lock_guard call(call_mu_);  // one loop at a time per pool
+    auto body = [&](unsigned t) {
+      const std::size_t b = n * t / n_, e = n * (t + 1) / n_;
+      if (b < e) fn(b, e, t);
+    };
+    using Body = decltype(body);
+    {
+      std::lock_guard lk(mu_);
+      ctx_ = &body;
+      call_ = [](void* c, unsigned t) { (*static_cast<Body*>(c))(t); };
+      pending_ = n_ - 1;
+      ++generation_;
+    }
+    cv_.notify_all();
+    body(0);
+    std::unique_lock lk(mu_);
+    done_cv_.wait(lk, [&] { return pending_ == 0; });
+  }
+
+ private:
+  void loop(unsigned t) {
+    uint64_t seen = 0;
+    for (;;) {
+      void (*call)(void*, unsigned);
+      void* ctx;
+      {
+        std::unique_lock lk(mu_);
+        cv_.wait(lk, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (stop_) return;
+        call = call_;
+        ctx = ctx_;
+      }
+      call(ctx, t);
+      {
+        std::lock_guard lk(mu_);
+        --pending_;
+      }
+      done_cv_.notify_one();
+    }
+  }
+
+  unsigned n_ = 1;
+  std::vector<std::thread> workers_;
+  std::mutex call_mu_, mu_;
+  std::condition_variable cv_, done_cv_;
+  void (*call_)(void*, unsigned) = nullptr;  // the current loop body, type-erased without allocation
+  void* ctx_ = nullptr;
+  unsigned pending_ = 0;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+};
+
+}  // namespace pp

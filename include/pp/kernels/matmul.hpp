@@ -1,0 +1,105 @@
+// Dense matrix products against stored weights (F32 / F16 / BF16), f32 activations and accumulation.
+//
+// Invariant: the dot product of one weight row with one activation row is computed by the same
+// sequence of operations whether it is part of a 1-token matvec or an n-token matmul, and whatever
+// thread computes it. Prefill and decode therefore agree bit for bit, and so do split pipelines.
+#pragma once
+
+#include <pp/core/dtype.hpp>
+#include <pp/core/thread_pool.hpp>
+#include <pp/kernels/simd.hpp>
+
+#include <algorithm>
+#include <cstddef>
+
+namespace pp::kernels {
+
+// y[t * y_stride] = dot(w[0, n), x[t * x_stride + (0, n)]) for t < NT tokens.
+template <class A, class WT, int NT>
+inline void dot_tile(const typename WT::storage* w, const float* x, std::size_t x_stride, std::size_t n,
+                     float* y, std::size_t y_stride) {
+  using B = simd::fbatch<A>;
+  constexpr std::size_t W = B::size;
+  constexpr int K = simd::kAccumulators<A>;
+  B acc[NT][K];
+  for (int t = 0; t < NT; ++t)
+    for (int k = 0; k < K; ++k) acc[t][k] = B(0.f);
+  std::size_t i = 0;
+  for (; i + K * W <= n; i += K * W) {
+    for (int k = 0; k < K; ++k) {
+      const B wk = simd::load<A>(WT{}, w + i + k * W);
+      for (int t = 0; t < NT; ++t)
+        acc[t][k] = xsimd::fma(wk, B::load_unaligned(x + t * x_stride + i + k * W), acc[t][k]);
+    }
+  }
+  for (; i + W <= n; i += W) {
+    const B wk = simd::load<A>(WT{}, w + i);
+    for (int t = 0; t < NT; ++t) acc[t][0] = xsimd::fma(wk, B::load_unaligned(x + t * x_stride + i), acc[t][0]);
+  }
+  for (int t = 0; t < NT; ++t) {
+    B s = acc[t][0];
+    for (int k = 1; k < K; ++k) s += acc[t][k];
+    float r = xsimd::hadd(s);
+    for (std::size_t j = i; j < n; ++j) r += simd::load1(WT{}, w + j) * x[t * x_stride + j];
+    y[t * y_stride] = r;
+  }
+}
+
+// y[m, w.rows] (rows [r0, r1) only) = x[m, w.cols] * w^T.
+template <class A, class WT>
+inline void matmul_rows_typed(const MatView& w, const float* x, std::size_t m, float* y, std::size_t r0,
+                              std::size_t r1) {
+  using S = typename WT::storage;
+  const std::size_t n = w.cols, ys = w.rows;
+  // A block of weight rows stays in cache while every token tile passes over it.
+  constexpr std::size_t kRowBlock = 16;
+  for (std::size_t rb = r0; rb < r1; rb += kRowBlock) {
+    const std::size_t re = std::min(rb + kRowBlock, r1);
+    std::size_t t = 0;
+    for (; t + 4 <= m; t += 4)
+      for (std::size_t r = rb; r < re; ++r)
+        dot_tile<A, WT, 4>(reinterpret_cast<const S*>(w.row(r)), x + t * n, n, n, y + t * ys + r, ys);
+    for (std::size_t r = rb; r < re; ++r) {
+      const S* wr = reinterpret_cast<const S*>(w.row(r));
+      switch (m - t) {
+        case 3: dot_tile<A, WT, 3>(wr, x + t * n, n, n, y + t * ys + r, ys); break;
+        case 2: dot_tile<A, WT, 2>(wr, x + t * n, n, n, y + t * ys + r, ys); break;
+        case 1: dot_tile<A, WT, 1>(wr, x + t * n, n, n, y + t * ys + r, ys); break;
+        default: break;
+      }
+    }
+  }
+}
+
+template <class A>
+inline void matmul_rows(const MatView& w, const float* x, std::size_t m, float* y, std::size_t r0, std::size_t r1) {
+  switch (w.type) {
+    case DType::F32: return matmul_rows_typed<A, simd::F32w>(w, x, m, y, r0, r1);
+    case DType::F16: return matmul_rows_typed<A, simd::F16w>(w, x, m, y, r0, r1);
+    case DType::BF16: return matmul_rows_typed<A, simd::Bf16w>(w, x, m, y, r0, r1);
+  }
+}
+
+// y[m, w.rows] = x[m, w.cols] * w^T, output rows split across the pool.
+template <class A = simd::Best>
+inline void matmul(ThreadPool& pool, const MatView& w, const float* x, std::size_t m, float* y) {
+  constexpr std::size_t kGrain = 16;  // rows per task: whole row blocks
+  const std::size_t n_tasks = (w.rows + kGrain - 1) / kGrain;
+  pool.parallel_for(n_tasks, [&](std::size_t b, std::size_t e, unsigned) {
+    matmul_rows<A>(w, x, m, y, b * kGrain, std::min(e * kGrain, w.rows));
+  });
+}
+
+// One weight row widened to f32 (embedding lookup).
+inline void row_to_f32(const MatView& w, std::size_t r, float* out) {
+  const uint8_t* p = w.row(r);
+  for (std::size_t j = 0; j < w.cols; ++j) {
+    switch (w.type) {
+      case DType::F32: out[j] = reinterpret_cast<const float*>(p)[j]; break;
+      case DType::F16: out[j] = f16_to_f32(reinterpret_cast<const uint16_t*>(p)[j]); break;
+      case DType::BF16: out[j] = bf16_to_f32(reinterpret_cast<const uint16_t*>(p)[j]); break;
+    }
+  }
+}
+
+}  // namespace pp::kernels

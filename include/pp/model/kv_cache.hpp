@@ -1,0 +1,74 @@
+// Ring-buffer KV cache of one sequence for the blocks of one stage (f32, keys stored after RoPE).
+//
+// Semantics: position `pos` lives in slot pos % capacity, so once more than `capacity` positions
+// have been written the oldest are overwritten and attention sees the last `capacity` positions
+// (a query at pos attends to [window_lo(pos), pos]). A request (pos, n) keeps the cached positions
+// below pos and drops the rest (pos == 0 starts a new sequence). It is refused, before anything
+// changes, when pos is beyond the cached length, when n exceeds the capacity, or when it rewinds to
+// a pos whose window needs positions the ring has already overwritten.
+#pragma once
+
+#include <pp/core/buffer.hpp>
+#include <pp/core/error.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace pp {
+
+class KvCache {
+ public:
+  KvCache() = default;
+  KvCache(std::size_t n_layers, std::size_t capacity, std::size_t kv_dim)
+      : n_layers_(n_layers), cap_(capacity), kv_dim_(kv_dim),
+        k_(n_layers * capacity * kv_dim), v_(n_layers * capacity * kv_dim) {}
+
+  std::size_t capacity() const { return cap_; }
+  std::size_t kv_dim() const { return kv_dim_; }
+  int64_t n_past() const { return n_past_; }   // positions [0, n_past) have been processed
+  int64_t oldest() const { return oldest_; }   // lowest position still held by the ring
+  std::size_t bytes() const { return 2 * n_layers_ * cap_ * kv_dim_ * sizeof(float); }
+
+  std::size_t slot(int64_t pos) const { return std::size_t(pos) % cap_; }
+  int64_t window_lo(int64_t pos) const { return std::max<int64_t>(0, pos - int64_t(cap_) + 1); }
+
+  // [kv_dim] rows of block `layer` (0-based within the stage) at ring slot `slot`.
+  float* k(std::size_t layer, std::size_t slot) { return k_.data() + (layer * cap_ + slot) * kv_dim_; }
+  float* v(std::size_t layer, std::size_t slot) { return v_.data() + (layer * cap_ + slot) * kv_dim_; }
+  const float* k(std::size_t layer, std::size_t slot) const { return k_.data() + (layer * cap_ + slot) * kv_dim_; }
+  const float* v(std::size_t layer, std::size_t slot) const { return v_.data() + (layer * cap_ + slot) * kv_dim_; }
+
+  // Throws RequestError when rows [pos, pos + n) cannot be appended; changes nothing.
+  void validate(int64_t pos, std::size_t n) const {
+    if (n == 0) throw RequestError("seq_len must be at least 1");
+    if (pos < 0) throw RequestError("position " + std::to_string(pos) + " is negative");
+    if (n > cap_)
+      throw RequestError("seq_len " + std::to_string(n) + " exceeds the KV capacity " + std::to_string(cap_) +
+                         " (raise PP_CTX / --ctx)");
+    if (pos > n_past_)
+      throw RequestError("position " + std::to_string(pos) + " is beyond the cached length " +
+                         std::to_string(n_past_) + ": a skipped position would corrupt attention");
+    if (pos > 0 && window_lo(pos) < oldest_)
+      throw RequestError("position " + std::to_string(pos) + " rewinds to a window starting at " +
+                         std::to_string(window_lo(pos)) + ", but the ring (capacity " + std::to_string(cap_) +
+                         ") has already overwritten positions below " + std::to_string(oldest_));
+  }
+
+  // Records that rows [pos, pos + n) were written (after validate).
+  void commit(int64_t pos, std::size_t n) {
+    if (pos == 0) oldest_ = 0;
+    n_past_ = pos + int64_t(n);
+    oldest_ = std::max(oldest_, n_past_ - int64_t(cap_));
+  }
+
+  void reset() { n_past_ = oldest_ = 0; }
+
+ private:
+  std::size_t n_layers_ = 0, cap_ = 0, kv_dim_ = 0;
+  Buffer<float> k_, v_;  // [n_layers, capacity, kv_dim]
+  int64_t n_past_ = 0, oldest_ = 0;
+};
+
+}  // namespace pp

@@ -1,0 +1,31 @@
+// Per-sequence activation buffers for up to `max_rows` rows, allocated once.
+#pragma once
+
+#include <pp/core/buffer.hpp>
+#include <pp/model/config.hpp>
+
+#include <cstddef>
+
+namespace pp {
+
+struct Scratch {
+  Scratch() = default;
+  Scratch(const Config& c, std::size_t max_rows, std::size_t kv_capacity, unsigned n_threads)
+      : max_rows(max_rows), xn(max_rows * c.n_embd), q(max_rows * c.q_dim()), k(max_rows * c.kv_dim()),
+        v(max_rows * c.kv_dim()), att(max_rows * c.q_dim()), proj(max_rows * c.n_embd),
+        gate(max_rows * c.n_ff), up(max_rows * c.n_ff), cos(max_rows * c.head_dim / 2),
+        sin(max_rows * c.head_dim / 2), scores(std::size_t(n_threads) * kv_capacity), scores_stride(kv_capacity) {}
+
+  std::size_t max_rows = 0;
+  Buffer<float> xn;        // [rows, n_embd] normed input
+  Buffer<float> q;         // [rows, n_head, head_dim]
+  Buffer<float> k, v;      // [rows, n_head_kv, head_dim] this chunk's new keys / values
+  Buffer<float> att;       // [rows, n_head, head_dim] attention output
+  Buffer<float> proj;      // [rows, n_embd] projection back to the residual
+  Buffer<float> gate, up;  // [rows, n_ff]
+  Buffer<float> cos, sin;  // [rows, head_dim / 2] RoPE tables of the chunk's positions
+  Buffer<float> scores;    // [n_threads, kv_capacity] attention weights, one row per thread
+  std::size_t scores_stride = 0;
+};
+
+}  // namespace pp

@@ -1,0 +1,192 @@
+// A pipeline stage: a mapped Llama GGUF, a range of decoder blocks, embed / forward / head, per-sequence state.
+//
+//   pp::Stage st("model.gguf", pp::LayerRange{0, 8});     // or Stage::open_stage(path, i, n)
+//   pp::Sequence seq = st.new_sequence();
+//   st.embed(tokens, rows);                               // first stage: [n, n_embd]
+//   st.forward(seq, pos, rows, n);                        // this stage's blocks, in place
+//   st.head(seq, rows + (n - 1) * n_embd, 1, logits);     // last stage: [1, n_vocab]
+//
+// Weights are immutable views over the mapping, shared by every Sequence; a Sequence owns its KV cache
+// and scratch. Only the stage's own tensors are touched, so resident memory follows its share.
+#pragma once
+
+#include <pp/core/buffer.hpp>
+#include <pp/core/error.hpp>
+#include <pp/core/thread_pool.hpp>
+#include <pp/io/gguf.hpp>
+#include <pp/io/llama_loader.hpp>
+#include <pp/io/mmap.hpp>
+#include <pp/kernels/matmul.hpp>
+#include <pp/kernels/ops.hpp>
+#include <pp/model/block.hpp>
+#include <pp/model/config.hpp>
+#include <pp/model/kv_cache.hpp>
+#include <pp/model/layer_range.hpp>
+#include <pp/model/rope.hpp>
+#include <pp/model/scratch.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace pp {
+
+struct StageOptions {
+  std::size_t ctx = 0;        // KV capacity in positions; 0 = min(4096, the model's context length)
+  unsigned threads = 0;       // compute threads; 0 = hardware concurrency
+  std::size_t max_rows = 32;  // rows per internal chunk of a long request (bounds the scratch)
+  bool prefetch = true;       // fault in the stage's tensors at load instead of on first use
+};
+
+// Per-sequence state of one stage.
+class Sequence {
+ public:
+  Sequence(const Config& c, std::size_t n_blocks, std::size_t ctx, std::size_t max_rows, unsigned threads)
+      : kv(n_blocks, ctx, c.kv_dim()), scratch(c, max_rows, ctx, threads) {}
+  int64_t n_past() const { return kv.n_past(); }
+  KvCache kv;
+  Scratch scratch;
+};
+
+class Stage {
+ public:
+  Stage(const std::string& path, LayerRange range, StageOptions opt = {})
+      : file_(path), gguf_(gguf::parse(file_.bytes())), cfg_(llama::read_config(gguf_)) {
+    init(range, opt);
+  }
+  // Stage `stage` of `n` through compute_layer_range over the model's blocks.
+  static std::unique_ptr<Stage> open_stage(const std::string& path, int stage, int n, StageOptions opt = {}) {
+    auto s = std::unique_ptr<Stage>(new Stage(path));
+    s->init(compute_layer_range(stage, n, int(s->cfg_.n_layer)), opt);
+    return s;
+  }
+  // The whole model in one stage.
+  static std::unique_ptr<Stage> open_full(const std::string& path, StageOptions opt = {}) {
+    auto s = std::unique_ptr<Stage>(new Stage(path));
+    s->init({0, int(s->cfg_.n_layer)}, opt);
+    return s;
+  }
+
+  const Config& config() const { return cfg_; }
+  LayerRange range() const { return range_; }
+  bool is_first() const { return range_.lo == 0; }
+  bool is_last() const { return range_.hi == int(cfg_.n_layer); }
+  std::size_t ctx() const { return ctx_; }
+  unsigned threads() const { return pool_->size(); }
+  const gguf::File& gguf() const { return gguf_; }
+  const MappedFile& file() const { return file_; }
+  // Bytes of the tensors this stage reads (its share of the file).
+  std::size_t bytes_used() const { return bytes_used_; }
+
+  Sequence new_sequence() const { return Sequence(cfg_, blocks_.size(), ctx_, max_rows_, pool_->size()); }
+
+  // out[n, n_embd] = embedding rows of `tokens` (first stage). Throws RequestError on an id out of range.
+  void embed(std::span<const int32_t> tokens, float* out) const {
+    require(is_first(), "embed");
+    for (int32_t t : tokens)
+      if (t < 0 || std::size_t(t) >= cfg_.n_vocab)
+        throw RequestError("token id " + std::to_string(t) + " is outside the vocabulary [0, " +
+                           std::to_string(cfg_.n_vocab) + ")");
+    for (std::size_t i = 0; i < tokens.size(); ++i) kernels::row_to_f32(embd_, std::size_t(tokens[i]), out + i * cfg_.n_embd);
+  }
+
+  // rows[n, n_embd] at positions pos..pos+n-1 through this stage's blocks, in place. Validates the request
+  // against the sequence's cache first (see KvCache) and leaves it unchanged when refused.
+  void forward(Sequence& seq, int64_t pos, float* rows, std::size_t n) const {
+    seq.kv.validate(pos, n);
+    const std::size_t hp = cfg_.head_dim / 2;
+    Scratch& s = seq.scratch;
+    for (std::size_t c0 = 0; c0 < n; c0 += max_rows_) {
+      const std::size_t m = std::min(max_rows_, n - c0);
+      const int64_t p = pos + int64_t(c0);
+      for (std::size_t i = 0; i < m; ++i) rope_.table(p + int64_t(i), s.cos.data() + i * hp, s.sin.data() + i * hp);
+      float* x = rows + c0 * cfg_.n_embd;
+      for (std::size_t l = 0; l < blocks_.size(); ++l) block_forward(cfg_, blocks_[l], seq.kv, l, p, m, x, s, *pool_);
+      seq.kv.commit(p, m);
+    }
+  }
+
+  // logits[n, n_vocab] of rows[n, n_embd]: final norm and output projection (last stage).
+  void head(Sequence& seq, const float* rows, std::size_t n, float* logits) const {
+    require(is_last(), "head");
+    Scratch& s = seq.scratch;
+    for (std::size_t c0 = 0; c0 < n; c0 += max_rows_) {
+      const std::size_t m = std::min(max_rows_, n - c0);
+      for (std::size_t i = 0; i < m; ++i)
+        kernels::rmsnorm(rows + (c0 + i) * cfg_.n_embd, out_norm_, cfg_.rms_eps, cfg_.n_embd,
+                         s.xn.data() + i * cfg_.n_embd);
+      kernels::matmul(*pool_, output_, s.xn.data(), m, logits + c0 * cfg_.n_vocab);
+    }
+  }
+
+ private:
+  explicit Stage(const std::string& path)
+      : file_(path), gguf_(gguf::parse(file_.bytes())), cfg_(llama::read_config(gguf_)) {}
+
+  void require(bool ok, const char* op) const {
+    if (!ok)
+      throw RequestError(std::string(op) + " is not available on a stage owning blocks [" +
+                         std::to_string(range_.lo) + ", " + std::to_string(range_.hi) + ") of " +
+                         std::to_string(cfg_.n_layer));
+  }
+
+  void init(LayerRange range, const StageOptions& opt) {
+    if (range.lo < 0 || range.hi > int(cfg_.n_layer) || range.lo > range.hi ||
+        (range.lo == range.hi && range.lo != 0 && range.hi != int(cfg_.n_layer)))
+      throw Error("layer range [" + std::to_string(range.lo) + ", " + std::to_string(range.hi) +
+                  ") is not within the model's " + std::to_string(cfg_.n_layer) + " blocks");
+    range_ = range;
+    ctx_ = opt.ctx ? opt.ctx : std::min<std::size_t>(4096, cfg_.ctx_len);
+    if (ctx_ > llama::kMaxCtx) throw Error("ctx " + std::to_string(ctx_) + " exceeds " + std::to_string(llama::kMaxCtx));
+    max_rows_ = std::max<std::size_t>(1, std::min(opt.max_rows, ctx_));
+    pool_ = std::make_unique<ThreadPool>(opt.threads);
+    rope_ = Rope(cfg_.head_dim, cfg_.rope_base, llama::rope_freq_factors(gguf_, cfg_));
+
+    std::vector<std::string> used;
+    if (gguf_.tensor("rope_freqs.weight")) used.push_back("rope_freqs.weight");
+    for (int l = range_.lo; l < range_.hi; ++l) {
+      blocks_.push_back(llama::block_tensors(gguf_, cfg_, l));
+      for (auto& n : llama::block_tensor_names(l)) used.push_back(n);
+    }
+    if (is_first()) {
+      embd_ = llama::matrix(gguf_, "token_embd.weight", cfg_.n_embd, cfg_.n_vocab);
+      used.push_back("token_embd.weight");
+    }
+    if (is_last()) {
+      out_norm_ = llama::norm_vector(gguf_, "output_norm.weight", cfg_.n_embd);
+      output_ = llama::output_matrix(gguf_, cfg_);
+      used.push_back("output_norm.weight");
+      if (!is_first() || std::string(llama::output_tensor_name(gguf_)) != "token_embd.weight")
+        used.push_back(llama::output_tensor_name(gguf_));
+    }
+    for (const auto& n : used) {
+      const gguf::TensorInfo* t = gguf_.tensor(n);
+      bytes_used_ += t->n_bytes;
+      if (opt.prefetch) touch(t->data);
+    }
+  }
+
+  // Faults the pages of a tensor in now, so the first token does not pay for it.
+  void touch(std::span<const uint8_t> d) {
+    file_.prefetch(d);
+    volatile uint8_t sink = 0;
+    for (std::size_t i = 0; i < d.size(); i += 4096) sink = sink + d[i];
+    (void)sink;
+  }
+
+  MappedFile file_;
+  gguf::File gguf_;
+  Config cfg_;
+  LayerRange range_;
+  std::size_t ctx_ = 0, max_rows_ = 32, bytes_used_ = 0;
+  std::unique_ptr<ThreadPool> pool_;
+  Rope rope_;
+  std::vector<llama::BlockTensors> blocks_;
+  MatView embd_{}, output_{};
+  const float* out_norm_ = nullptr;
+};
+
+}  // namespace pp
