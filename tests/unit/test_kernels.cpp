@@ -1,0 +1,212 @@
+// Kernels on every compiled-in architecture against scalar oracles; bf16/f16 conversions bit-exact.
+#include <pp/core/float16.hpp>
+#include <pp/kernels/matmul.hpp>
+#include <pp/kernels/ops.hpp>
+
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <random>
+#include <vector>
+
+namespace {
+
+template <class F, class... A>
+void for_each(pp::simd::ArchList<A...>, F&& f) {
+  (f(A{}), ...);
+}
+template <class F>
+void for_each_arch(F&& f) {
+  for_each(pp::simd::Archs{}, f);
+}
+
+std::vector<float> randv(std::size_t n, std::mt19937& rng, float scale = 1.f) {
+  std::normal_distribution<float> d(0.f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+TEST(Float16, Bf16RoundTripAndRounding) {
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const float f = pp::bf16_to_f32(uint16_t(h));
+    if (std::isnan(f)) {
+      EXPECT_TRUE(std::isnan(pp::bf16_to_f32(pp::f32_to_bf16(f))));
+      continue;
+    }
+    ASSERT_EQ(pp::f32_to_bf16(f), h);
+  }
+  EXPECT_EQ(pp::f32_to_bf16(std::bit_cast<float>(0x3f808000u)), 0x3f80);  // tie to even (down)
+  EXPECT_EQ(pp::f32_to_bf16(std::bit_cast<float>(0x3f818000u)), 0x3f82);  // tie to even (up)
+  EXPECT_EQ(pp::f32_to_bf16(std::bit_cast<float>(0x3f808001u)), 0x3f81);
+}
+
+TEST(Float16, F16RoundTripRoundingAndRange) {
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const float f = pp::f16_to_f32(uint16_t(h));
+    if (std::isnan(f)) continue;
+    ASSERT_EQ(pp::f32_to_f16(f), h) << h;
+  }
+  EXPECT_EQ(pp::f32_to_f16(65504.f), 0x7bff);
+  EXPECT_EQ(pp::f32_to_f16(65520.f), 0x7c00);  // rounds past the largest half: infinity
+  EXPECT_EQ(pp::f32_to_f16(1e6f), 0x7c00);
+  EXPECT_EQ(pp::f32_to_f16(-1e6f), 0xfc00);
+  EXPECT_EQ(pp::f32_to_f16(5.9604645e-8f), 0x0001);  // smallest subnormal
+  EXPECT_EQ(pp::f32_to_f16(2.9802322e-8f), 0x0000);  // half of it: ties to even (zero)
+  EXPECT_EQ(pp::f16_to_f32(0x3c00), 1.f);
+}
+
+TEST(Simd, WideningIsExactOnEveryArch) {
+  std::vector<uint16_t> all(65536 + 64);
+  for (uint32_t i = 0; i < all.size(); ++i) all[i] = uint16_t(i);
+  for_each_arch([&](auto a) {
+    using A = decltype(a);
+    constexpr std::size_t W = pp::simd::fbatch<A>::size;
+    alignas(64) float out[64];
+    for (std::size_t i = 0; i + W <= 65536; i += W) {
+      pp::simd::load<A>(pp::simd::Bf16w{}, all.data() + i).store_aligned(out);
+      for (std::size_t j = 0; j < W; ++j)
+        ASSERT_EQ(std::bit_cast<uint32_t>(out[j]), std::bit_cast<uint32_t>(pp::bf16_to_f32(all[i + j]))) << A::name();
+      pp::simd::load<A>(pp::simd::F16w{}, all.data() + i).store_aligned(out);
+      for (std::size_t j = 0; j < W; ++j) {
+        const float want = pp::f16_to_f32(all[i + j]);
+        if (std::isnan(want)) {
+          ASSERT_TRUE(std::isnan(out[j])) << A::name();
+        } else {
+          ASSERT_EQ(std::bit_cast<uint32_t>(out[j]), std::bit_cast<uint32_t>(want)) << A::name() << " h=" << i + j;
+        }
+      }
+    }
+  });
+}
+
+// Stored weights of `type` for values w (rounded to the type), and the f32 values they hold.
+struct Stored {
+  std::vector<uint8_t> bytes;
+  std::vector<float> values;
+};
+Stored store(pp::DType t, const std::vector<float>& w) {
+  Stored s;
+  s.values.resize(w.size());
+  s.bytes.resize(pp::row_bytes(t, w.size()));
+  for (std::size_t i = 0; i < w.size(); ++i) {
+    if (t == pp::DType::F32) {
+      s.values[i] = w[i];
+      std::memcpy(&s.bytes[i * 4], &w[i], 4);
+    } else {
+      const uint16_t h = t == pp::DType::BF16 ? pp::f32_to_bf16(w[i]) : pp::f32_to_f16(w[i]);
+      s.values[i] = t == pp::DType::BF16 ? pp::bf16_to_f32(h) : pp::f16_to_f32(h);
+      std::memcpy(&s.bytes[i * 2], &h, 2);
+    }
+  }
+  return s;
+}
+
+TEST(Matmul, EveryTypeAndArchAgainstScalarOracle) {
+  std::mt19937 rng(42);
+  for (pp::DType t : {pp::DType::F32, pp::DType::F16, pp::DType::BF16})
+    for (std::size_t cols : {1, 7, 16, 63, 64, 65, 130, 257})
+      for (std::size_t m : {1, 2, 3, 4, 5, 9}) {
+        const std::size_t rows = 1 + rng() % 40;
+        const Stored w = store(t, randv(rows * cols, rng));
+        const std::vector<float> x = randv(m * cols, rng);
+        pp::MatView mv{t, w.bytes.data(), rows, cols, pp::row_bytes(t, cols)};
+        for_each_arch([&](auto a) {
+          using A = decltype(a);
+          std::vector<float> y(m * rows, NAN);
+          pp::kernels::matmul_rows<A>(mv, x.data(), m, y.data(), 0, rows);
+          for (std::size_t i = 0; i < m; ++i)
+            for (std::size_t r = 0; r < rows; ++r) {
+              double want = 0, mag = 0;
+              for (std::size_t j = 0; j < cols; ++j) {
+                want += double(w.values[r * cols + j]) * x[i * cols + j];
+                mag += std::abs(double(w.values[r * cols + j]) * x[i * cols + j]);
+              }
+              ASSERT_NEAR(y[i * rows + r], want, 1e-6 * mag + 1e-30)
+                  << A::name() << " " << pp::dtype_name(t) << " cols " << cols << " m " << m;
+            }
+        });
+      }
+}
+
+TEST(Matmul, RowResultDoesNotDependOnBatchOrThreads) {
+  std::mt19937 rng(7);
+  const std::size_t rows = 50, cols = 200, m = 7;
+  const Stored w = store(pp::DType::BF16, randv(rows * cols, rng));
+  const std::vector<float> x = randv(m * cols, rng);
+  pp::MatView mv{pp::DType::BF16, w.bytes.data(), rows, cols, cols * 2};
+  std::vector<float> batch(m * rows), single(rows), threaded(m * rows);
+  pp::ThreadPool p1(1), p3(3);
+  pp::kernels::matmul(p1, mv, x.data(), m, batch.data());
+  pp::kernels::matmul(p3, mv, x.data(), m, threaded.data());
+  EXPECT_EQ(batch, threaded);
+  for (std::size_t i = 0; i < m; ++i) {
+    pp::kernels::matmul(p1, mv, x.data() + i * cols, 1, single.data());
+    for (std::size_t r = 0; r < rows; ++r) ASSERT_EQ(single[r], batch[i * rows + r]);
+  }
+}
+
+TEST(Ops, RmsnormSwigluSoftmaxDotAxpyOnEveryArch) {
+  std::mt19937 rng(3);
+  for (std::size_t n : {1, 5, 16, 33, 100, 2048}) {
+    const auto x = randv(n, rng), w = randv(n, rng), u = randv(n, rng, 3.f);
+    double ss = 0, dot = 0, mag = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      ss += double(x[i]) * x[i];
+      dot += double(x[i]) * w[i];
+      mag += std::abs(double(x[i]) * w[i]);
+    }
+    const double scale = 1 / std::sqrt(ss / double(n) + 1e-5);
+    for_each_arch([&](auto a) {
+      using A = decltype(a);
+      std::vector<float> out(n);
+      pp::kernels::rmsnorm<A>(x.data(), w.data(), 1e-5f, n, out.data());
+      for (std::size_t i = 0; i < n; ++i) ASSERT_NEAR(out[i], x[i] * scale * w[i], 1e-5 * (1 + std::abs(x[i] * scale * w[i])));
+      EXPECT_NEAR(pp::kernels::dot_f32<A>(x.data(), w.data(), n), dot, 1e-6 * mag + 1e-30);
+      std::vector<float> y = u;
+      pp::kernels::axpy<A>(0.5f, x.data(), y.data(), n);
+      for (std::size_t i = 0; i < n; ++i) ASSERT_NEAR(y[i], u[i] + 0.5 * x[i], 1e-6 * (1 + std::abs(u[i])));
+      std::vector<float> g = u;
+      pp::kernels::swiglu<A>(g.data(), x.data(), n);
+      for (std::size_t i = 0; i < n; ++i) {
+        const double want = double(u[i]) / (1 + std::exp(-double(u[i]))) * x[i];
+        ASSERT_NEAR(g[i], want, 1e-5 * (1 + std::abs(want)));
+      }
+      std::vector<float> s = u;
+      pp::kernels::softmax<A>(s.data(), n);
+      double mx = -1e30, sum = 0;
+      for (float v : u) mx = std::max(mx, double(v));
+      for (float v : u) sum += std::exp(double(v) - mx);
+      for (std::size_t i = 0; i < n; ++i) ASSERT_NEAR(s[i], std::exp(double(u[i]) - mx) / sum, 1e-6);
+    });
+  }
+}
+
+TEST(Ops, RopeRotatesAdjacentPairs) {
+  const std::size_t hd = 8;
+  std::vector<float> x = {1, 0, 0, 1, 2, 3, -1, 4, 1, 0, 0, 1, 2, 3, -1, 4};
+  const std::vector<float> c = {0.f, 1.f, 0.5f, -1.f}, s = {1.f, 0.f, 0.8660254f, 0.f};
+  const std::vector<float> in = x;
+  pp::kernels::rope(x.data(), 2, hd, c.data(), s.data());
+  for (std::size_t h = 0; h < 2; ++h)
+    for (std::size_t i = 0; i < hd / 2; ++i) {
+      const float x0 = in[h * hd + 2 * i], x1 = in[h * hd + 2 * i + 1];
+      EXPECT_FLOAT_EQ(x[h * hd + 2 * i], x0 * c[i] - x1 * s[i]);
+      EXPECT_FLOAT_EQ(x[h * hd + 2 * i + 1], x0 * s[i] + x1 * c[i]);
+    }
+}
+
+TEST(ThreadPool, CoversEveryIndexOnce) {
+  pp::ThreadPool pool(3);
+  for (std::size_t n : {0, 1, 2, 3, 10, 1000}) {
+    std::vector<int> hits(n, 0);
+    pool.parallel_for(n, [&](std::size_t b, std::size_t e, unsigned t) {
+      EXPECT_LT(t, 3u);
+      for (std::size_t i = b; i < e; ++i) ++hits[i];
+    });
+    for (int h : hits) ASSERT_EQ(h, 1);
+  }
+}
+
+}  // namespace

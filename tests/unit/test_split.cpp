@@ -1,0 +1,141 @@
+// Split invariance: stages chained in one process give the unsplit logits bit for bit (f32 residual).
+#include <pp/model/local_pipeline.hpp>
+#include <pp/stage.hpp>
+#include <pp/text/sampler.hpp>
+
+#include "../common/fixtures.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <functional>
+#include <vector>
+
+namespace {
+
+std::string tiny(const std::string& dt = "f32") {
+  return (pp::test::data_dir() / "golden-tiny" / ("golden-tiny-" + dt + ".gguf")).string();
+}
+
+// Every way to cut n_layer blocks into n_stages non-empty contiguous ranges.
+std::vector<std::vector<int>> all_cuts(int n_layer, int n_stages) {
+  std::vector<std::vector<int>> out;
+  std::vector<int> cur;
+  std::function<void(int)> rec = [&](int lo) {
+    if (int(cur.size()) == n_stages - 1) {
+      out.push_back(cur);
+      return;
+    }
+    for (int c = lo + 1; c < n_layer; ++c) {
+      cur.push_back(c);
+      rec(c);
+      cur.pop_back();
+    }
+  };
+  rec(0);
+  return out;
+}
+
+// Logits of a prompt followed by `decode` greedy steps: [(1 + decode), V] of the last rows.
+std::vector<float> run(pp::LocalPipeline& p, const std::vector<int32_t>& prompt, int decode) {
+  const std::size_t V = p.config().n_vocab;
+  std::vector<float> out((1 + decode) * V);
+  p.run(prompt, 0, out.data());
+  for (int i = 0; i < decode; ++i) {
+    const int32_t t = pp::argmax({&out[i * V], V});
+    p.run({&t, 1}, int64_t(prompt.size() + i), &out[(i + 1) * V]);
+  }
+  return out;
+}
+
+const std::vector<int32_t> kPrompt = {496, 198, 303, 365, 321, 74, 280, 81, 405, 281, 78, 87, 220, 73, 313, 79};
+
+TEST(SplitInvariance, EveryCutOfGoldenTinyIsBitIdenticalWithF32Residual) {
+  for (const std::string dt : {"f32", "bf16"}) {
+    pp::LocalPipeline whole(tiny(dt), {}, pp::WireDType::F32, {.threads = 2});
+    const std::vector<float> want = run(whole, kPrompt, 6);
+    int checked = 0;
+    for (int n = 2; n <= 4; ++n)
+      for (const auto& cuts : all_cuts(4, n)) {
+        pp::LocalPipeline split(tiny(dt), cuts, pp::WireDType::F32, {.threads = 2});
+        const std::vector<float> got = run(split, kPrompt, 6);
+        ASSERT_EQ(0, std::memcmp(got.data(), want.data(), want.size() * sizeof(float)))
+            << dt << " cuts of size " << cuts.size();
+        ++checked;
+      }
+    EXPECT_EQ(checked, 3 + 3 + 1);  // C(3,1) + C(3,2) + C(3,3)
+  }
+}
+
+TEST(SplitInvariance, ThreadCountDoesNotChangeLogits) {
+  pp::LocalPipeline one(tiny(), {}, pp::WireDType::F32, {.threads = 1});
+  pp::LocalPipeline two(tiny(), {2}, pp::WireDType::F32, {.threads = 2});
+  pp::LocalPipeline three(tiny(), {1, 3}, pp::WireDType::F32, {.threads = 3});
+  const auto a = run(one, kPrompt, 4), b = run(two, kPrompt, 4), c = run(three, kPrompt, 4);
+  EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * 4));
+  EXPECT_EQ(0, std::memcmp(a.data(), c.data(), a.size() * 4));
+}
+
+TEST(SplitInvariance, PrefillEqualsTokenByToken) {
+  // Each row's arithmetic does not depend on how many rows travel together.
+  auto st = pp::Stage::open_full(tiny(), {.max_rows = 5});
+  const std::size_t E = st->config().n_embd, V = st->config().n_vocab, n = kPrompt.size();
+  pp::Sequence a = st->new_sequence(), b = st->new_sequence();
+  std::vector<float> rows(n * E), la(n * V), row(E), lb(V);
+  st->embed(kPrompt, rows.data());
+  st->forward(a, 0, rows.data(), n);
+  st->head(a, rows.data(), n, la.data());
+  for (std::size_t i = 0; i < n; ++i) {
+    st->embed({&kPrompt[i], 1}, row.data());
+    st->forward(b, int64_t(i), row.data(), 1);
+    st->head(b, row.data(), 1, lb.data());
+    ASSERT_EQ(0, std::memcmp(lb.data(), &la[i * V], V * 4)) << "position " << i;
+  }
+}
+
+TEST(SplitInvariance, Bf16WireRoundsAtEachCutOnly) {
+  // A bf16 wire changes the result (so the rounding is really applied) but stays close to f32.
+  pp::LocalPipeline f32(tiny(), {2}, pp::WireDType::F32, {.threads = 2});
+  pp::LocalPipeline b16(tiny(), {2}, pp::WireDType::BF16, {.threads = 2});
+  pp::LocalPipeline whole(tiny(), {}, pp::WireDType::BF16, {.threads = 2});  // no cut: nothing rounded
+  const auto a = run(f32, kPrompt, 2), b = run(b16, kPrompt, 2), w = run(whole, kPrompt, 2);
+  EXPECT_NE(0, std::memcmp(a.data(), b.data(), a.size() * 4));
+  EXPECT_EQ(0, std::memcmp(a.data(), w.data(), a.size() * 4));
+  double d = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) d = std::max(d, double(std::abs(a[i] - b[i])));
+  EXPECT_LT(d, 0.5);
+}
+
+TEST(Stage, RolesAreEnforced) {
+  pp::Stage mid(tiny(), {1, 3});
+  std::vector<float> buf(64 * 512);
+  const int32_t t = 1;
+  EXPECT_THROW(mid.embed({&t, 1}, buf.data()), pp::RequestError);
+  pp::Sequence s = mid.new_sequence();
+  EXPECT_THROW(mid.head(s, buf.data(), 1, buf.data()), pp::RequestError);
+  pp::Stage first(tiny(), {0, 2});
+  const int32_t bad = 512;
+  EXPECT_THROW(first.embed({&bad, 1}, buf.data()), pp::RequestError);
+  EXPECT_THROW(pp::Stage(tiny(), {3, 5}), pp::Error);
+}
+
+TEST(Stage, LayerRangeAsSpecified) {
+  EXPECT_EQ(pp::compute_layer_range(0, 2, 16), (pp::LayerRange{0, 8}));
+  EXPECT_EQ(pp::compute_layer_range(1, 2, 15), (pp::LayerRange{7, 15}));
+  EXPECT_EQ(pp::compute_layer_range(2, 3, 16), (pp::LayerRange{10, 16}));
+  EXPECT_THROW(pp::compute_layer_range(0, 1, 16), pp::Error);
+  EXPECT_THROW(pp::compute_layer_range(2, 2, 16), pp::Error);
+  EXPECT_THROW(pp::compute_layer_range(-1, 2, 16), pp::Error);
+  EXPECT_THROW(pp::compute_layer_range(0, 5, 4), pp::Error);
+}
+
+TEST(Stage, MapsOnlyItsShare) {
+  pp::Stage a(tiny(), {0, 2}), b(tiny(), {2, 4});
+  auto whole = pp::Stage::open_full(tiny());
+  // Tied output: token_embd is read by the first stage (embedding) and the last (output).
+  EXPECT_LT(a.bytes_used(), whole->bytes_used());
+  EXPECT_LT(b.bytes_used(), whole->bytes_used());
+  EXPECT_GT(a.bytes_used() + b.bytes_used(), whole->bytes_used());
+}
+
+}  // namespace
