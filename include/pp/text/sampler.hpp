@@ -70,7 +70,7 @@ inline int32_t argmax(std::span<const float> logits) {
 
 class Sampler {
  public:
-  // The token for the logits of absolute position `pos` (the position whose logits these are).
+  // The token that will occupy absolute position `pos` (one past the row whose logits these are).
   int32_t sample(std::span<const float> logits, const SamplingParams& p, int64_t pos) {
     if (p.greedy()) return argmax(logits);
     // Candidates sorted by logit, descending; ties by lower id. NaN logits are dropped.

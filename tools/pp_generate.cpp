@@ -1,0 +1,136 @@
+// pp_generate: the single-process generator — prompt ids in, greedy (or seeded sampled) tokens out.
+//
+// With --cuts it runs the model as chained stages with the residual rounded to --wire at each cut: the
+// exact single-process reference for a distributed pipeline. --logits-out writes the golden JSON format
+// of ../shared/fixtures (prompt logits, greedy ids, per-step logits) for comparison with references.
+#include <pp/model/local_pipeline.hpp>
+#include <pp/text/sampler.hpp>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+namespace {
+
+std::vector<int32_t> parse_ids(const std::string& s) {
+  std::vector<int32_t> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    std::size_t used = 0;
+    long v = -1;
+    try {
+      v = std::stol(item, &used);
+    } catch (...) {
+    }
+    if (used != item.size() || v < 0 || v > INT32_MAX)
+      throw pp::Error("--prompt-ids: '" + item + "' is not a non-negative token id");
+    out.push_back(int32_t(v));
+  }
+  if (out.empty()) throw pp::Error("--prompt-ids: no ids given");
+  return out;
+}
+
+nlohmann::json rows_json(const std::vector<float>& v, std::size_t n, std::size_t V) {
+  nlohmann::json a = nlohmann::json::array();
+  for (std::size_t i = 0; i < n; ++i) a.push_back(std::vector<float>(v.begin() + i * V, v.begin() + (i + 1) * V));
+  return a;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"pp_generate: run a Llama GGUF in one process (optionally as chained stages)"};
+  std::string model, ids_arg, logits_out, wire = "f32";
+  std::vector<int> cuts;
+  int n_tokens = 16;
+  unsigned threads = 0;
+  std::size_t ctx = 0;
+  pp::SamplingParams sp;
+  double temperature = 0, top_p = 0, min_p = -1;
+  int64_t top_k = 0;
+  app.add_option("-m,--model", model, "GGUF model file")->required();
+  app.add_option("--prompt-ids", ids_arg, "prompt token ids, comma-separated (e.g. 496,198,303)")->required();
+  app.add_option("-n,--tokens", n_tokens, "tokens to generate")->check(CLI::Range(0, 1 << 20));
+  app.add_option("--cuts", cuts, "simulate a split: block indices where stages begin (e.g. --cuts 8 or 4,8,12)")
+      ->delimiter(',');
+  app.add_option("--wire", wire, "residual dtype at each cut: f32, bf16 (pp_worker's wire) or f16")
+      ->check(CLI::IsMember({"f32", "bf16", "f16"}));
+  app.add_option("-t,--threads", threads, "compute threads (0 = all cores)");
+  app.add_option("--ctx", ctx, "KV capacity in positions (0 = min(4096, model context))");
+  app.add_option("--temperature", temperature, "sample with this temperature (> 0) instead of argmax");
+  app.add_option("--top-k", top_k, "keep the k most likely tokens (>= 1)");
+  app.add_option("--top-p", top_p, "keep the smallest set with probability >= p, (0, 1]");
+  app.add_option("--min-p", min_p, "drop tokens below min_p x the top probability, [0, 1)");
+  app.add_option("--seed", sp.seed, "sampling seed (the draw depends only on seed and position)");
+  app.add_option("--logits-out", logits_out, "write prompt and per-step logits as golden JSON");
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    if (app.count("--temperature")) sp.temperature = temperature;
+    if (app.count("--top-k")) sp.top_k = top_k;
+    if (app.count("--top-p")) sp.top_p = top_p;
+    if (app.count("--min-p")) sp.min_p = min_p;
+    sp.validate();
+    const std::vector<int32_t> prompt = parse_ids(ids_arg);
+    const auto t_load = std::chrono::steady_clock::now();
+    pp::LocalPipeline pipe(model, cuts, pp::parse_wire_dtype(wire), {.ctx = ctx, .threads = threads});
+    const pp::Config& c = pipe.config();
+    const std::size_t V = c.n_vocab, n = prompt.size();
+    if (n + std::size_t(n_tokens) > pipe.stage(0).ctx())
+      throw pp::Error("prompt (" + std::to_string(n) + ") + tokens (" + std::to_string(n_tokens) +
+                      ") exceed the KV capacity " + std::to_string(pipe.stage(0).ctx()) + " (use --ctx)");
+    const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
+
+    const bool all_rows = !logits_out.empty();
+    std::vector<float> prompt_logits((all_rows ? n : 1) * V), step(V);
+    std::vector<float> step_logits;
+    std::vector<int32_t> out;
+    pp::Sampler sampler;
+
+    const auto t0 = std::chrono::steady_clock::now();
+    pipe.run(prompt, 0, prompt_logits.data(), all_rows ? n : 1);
+    const auto t1 = std::chrono::steady_clock::now();
+    std::copy(prompt_logits.end() - long(V), prompt_logits.end(), step.begin());
+    for (int i = 0; i < n_tokens; ++i) {
+      if (i > 0) pipe.run({&out.back(), 1}, int64_t(n + i - 1), step.data());
+      if (all_rows) step_logits.insert(step_logits.end(), step.begin(), step.end());
+      out.push_back(sampler.sample(step, sp, int64_t(n + i)));
+    }
+    const auto t2 = std::chrono::steady_clock::now();
+
+    std::cout << "tokens:";
+    for (int32_t t : out) std::cout << ' ' << t;
+    std::cout << '\n';
+    const double pre = std::chrono::duration<double>(t1 - t0).count();
+    const double dec = std::chrono::duration<double>(t2 - t1).count();
+    std::fprintf(stderr, "load %.2f s | prefill %zu tokens %.1f tok/s | decode %d tokens %.2f tok/s | %zu stage(s), wire %s, %u threads\n",
+                 load_s, n, double(n) / pre, std::max(0, n_tokens - 1),
+                 n_tokens > 1 ? double(n_tokens - 1) / dec : 0.0, pipe.n_stages(), wire.c_str(), pipe.stage(0).threads());
+
+    if (all_rows) {
+      nlohmann::json j;
+      j["model"] = model;
+      j["producer"] = "pp_generate";
+      j["n_vocab"] = V;
+      j["cuts"] = cuts;
+      j["wire"] = wire;
+      j["prompt_tokens"] = prompt;
+      j["logits"] = rows_json(prompt_logits, n, V);
+      j["greedy"] = out;
+      j["greedy_logits"] = rows_json(step_logits, out.size(), V);
+      std::ofstream f(logits_out);
+      f << j.dump() << '\n';
+      if (!f) throw pp::Error("cannot write '" + logits_out + "'");
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "pp_generate: %s\n", e.what());
+    return 2;
+  }
+  return 0;
+}
