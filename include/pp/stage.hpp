@@ -16,6 +16,7 @@
 #include <pp/io/gguf.hpp>
 #include <pp/io/llama_loader.hpp>
 #include <pp/io/mmap.hpp>
+#include <pp/core/anonymous_region.hpp>
 #include <pp/kernels/matmul.hpp>
 #include <pp/kernels/ops.hpp>
 #include <pp/model/block.hpp>
@@ -26,6 +27,7 @@
 #include <pp/model/scratch.hpp>
 
 #include <algorithm>
+#include <cstring>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -34,11 +36,18 @@
 
 namespace pp {
 
+// Where a stage's weights live while it runs.
+enum class Residency {
+  Mapped,     // views into the file mapping, pages faulted in at load (prefetch) or on first use
+  Anonymous,  // copied at load into anonymous memory advised for huge pages; the mapping is then unused
+};
+
 struct StageOptions {
   std::size_t ctx = 0;        // KV capacity in positions; 0 = min(4096, the model's context length)
   unsigned threads = 0;       // compute threads; 0 = hardware concurrency
   std::size_t max_rows = 32;  // rows per internal chunk of a long request (bounds the scratch)
   bool prefetch = true;       // fault in the stage's tensors at load instead of on first use
+  Residency residency = Residency::Mapped;
 };
 
 // Per-sequence state of one stage.
@@ -162,11 +171,42 @@ class Stage {
       if (!is_first() || std::string(llama::output_tensor_name(gguf_)) != "token_embd.weight")
         used.push_back(llama::output_tensor_name(gguf_));
     }
+    for (const auto& n : used) bytes_used_ += gguf_.tensor(n)->n_bytes;
+    if (opt.residency == Residency::Anonymous) {
+      make_resident(used);
+    } else if (opt.prefetch) {
+      for (const auto& n : used) touch(gguf_.tensor(n)->data);
+    }
+  }
+
+  // Copies the stage's tensors into one anonymous, huge-page-advised region and repoints every view.
+  void make_resident(const std::vector<std::string>& used) {
+    std::size_t total = 0;
+    for (const auto& n : used) total += (gguf_.tensor(n)->n_bytes + kAlign - 1) / kAlign * kAlign;
+    resident_ = AnonymousRegion(total);
+    std::vector<std::pair<const uint8_t*, const uint8_t*>> moved;  // old data -> copy
+    std::size_t off = 0;
     for (const auto& n : used) {
       const gguf::TensorInfo* t = gguf_.tensor(n);
-      bytes_used_ += t->n_bytes;
-      if (opt.prefetch) touch(t->data);
+      uint8_t* dst = resident_.data() + off;
+      std::memcpy(dst, t->data.data(), t->n_bytes);
+      moved.emplace_back(t->data.data(), dst);
+      off += (t->n_bytes + kAlign - 1) / kAlign * kAlign;
     }
+    auto repoint = [&](const uint8_t* p) {
+      for (const auto& [from, to] : moved)
+        if (from == p) return to;
+      return p;  // not a stage tensor (cannot happen for views built in init)
+    };
+    auto fix = [&](MatView& m) { m.data = repoint(m.data); };
+    auto fixf = [&](const float*& f) { f = reinterpret_cast<const float*>(repoint(reinterpret_cast<const uint8_t*>(f))); };
+    for (auto& b : blocks_) {
+      fixf(b.attn_norm), fixf(b.ffn_norm);
+      fix(b.wq), fix(b.wk), fix(b.wv), fix(b.wo), fix(b.w_gate), fix(b.w_up), fix(b.w_down);
+    }
+    if (embd_.data) fix(embd_);
+    if (output_.data) fix(output_);
+    if (out_norm_) fixf(out_norm_);
   }
 
   // Faults the pages of a tensor in now, so the first token does not pay for it.
@@ -184,6 +224,7 @@ class Stage {
   std::size_t ctx_ = 0, max_rows_ = 32, bytes_used_ = 0;
   std::unique_ptr<ThreadPool> pool_;
   Rope rope_;
+  AnonymousRegion resident_;  // the weights' copy under Residency::Anonymous
   std::vector<llama::BlockTensors> blocks_;
   MatView embd_{}, output_{};
   const float* out_norm_ = nullptr;

@@ -139,3 +139,14 @@ TEST(Stage, MapsOnlyItsShare) {
 }
 
 }  // namespace
+
+namespace {
+TEST(Stage, AnonymousResidencyGivesTheSameLogitsAsMapped) {
+  for (const std::vector<int>& cuts : {std::vector<int>{}, std::vector<int>{2}}) {
+    pp::LocalPipeline mapped(tiny("bf16"), cuts, pp::WireDType::F32, {.residency = pp::Residency::Mapped});
+    pp::LocalPipeline anon(tiny("bf16"), cuts, pp::WireDType::F32, {.residency = pp::Residency::Anonymous});
+    const auto a = run(mapped, kPrompt, 3), b = run(anon, kPrompt, 3);
+    EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * 4));
+  }
+}
+}  // namespace

@@ -464,4 +464,7 @@ inline File parse(std::span<const uint8_t> bytes, const Limits& lim = {}) {
   return f;
 }
 
+// The File views the bytes it parsed: parsing a temporary vector would leave it dangling.
+File parse(std::vector<uint8_t>&&, const Limits& = {}) = delete;
+
 }  // namespace pp::gguf

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include <xsimd/xsimd.hpp>
@@ -137,5 +138,221 @@ inline float load1(F16w, const uint16_t* p) { return f16_to_f32(*p); }
 // few enough that a 4-token tile stays in registers.
 template <class A>
 inline constexpr int kAccumulators = fbatch<A>::size >= 16 ? 4 : 2;
+
+// One f16 block scale to f32 (F16C's single-instruction form where compiled in; same value).
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return f16_to_f32(h);
+#endif
+}
+
+// ---- Quantized weights, exact path: W bytes (W = lanes of ibatch<A>) widened to int32 lanes. ----
+
+template <class A>
+using ibatch = xsimd::batch<int32_t, A>;
+
+#if XSIMD_WITH_AVX512F
+inline __m512i widen_u8(const uint8_t* p, const xsimd::avx512f&) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m512i widen_i8(const int8_t* p, const xsimd::avx512f&) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+#if XSIMD_WITH_AVX2
+inline __m256i widen_u8(const uint8_t* p, const xsimd::avx2&) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256i widen_i8(const int8_t* p, const xsimd::avx2&) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+#if XSIMD_WITH_SSE4_2
+inline __m128i load4_bytes(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm_cvtsi32_si128(v);
+}
+inline __m128i widen_u8(const uint8_t* p, const xsimd::sse4_2&) { return _mm_cvtepu8_epi32(load4_bytes(p)); }
+inline __m128i widen_i8(const int8_t* p, const xsimd::sse4_2&) { return _mm_cvtepi8_epi32(load4_bytes(p)); }
+#endif
+
+template <class A>
+inline ibatch<A> load_u8(const uint8_t* p) {
+  return ibatch<A>(widen_u8(p, A{}));
+}
+template <class A>
+inline ibatch<A> load_i8(const int8_t* p) {
+  return ibatch<A>(widen_i8(p, A{}));
+}
+
+// ---- Quantized weights, fast path: integer dot products over groups of 32 8-bit codes. ----
+//
+// A group is one 32-block (Q8_0 / Q4_0 / ...) or one 32-element sub-block of a K-quant, in ggml's
+// element order. `Bytes32<A>` holds it; `dot_us` / `dot_ss` / `dot_us_scaled` multiply two groups
+// lane-wise and add each run of 4 products into one int32 lane of `ibatch<IntArch<A>>`, whose lane sum
+// is the dot product. The AVX-512 build works on 256-bit halves as llama.cpp does (a 32-group fills
+// one), with VNNI's vpdpbusd where compiled in; AVX2 and SSE4.2 (x86-64-v2) use pmaddubsw.
+//
+// pmaddubsw adds two u8 x s8 products into a saturating int16: the codes stay below the bound that
+// makes saturation impossible (u <= 128 and |s| <= 127: 2 * 128 * 127 < 32767).
+
+#if XSIMD_WITH_AVX2
+struct Bytes256 {
+  __m256i v;
+  static __m256i m8(int8_t b) { return _mm256_set1_epi8(b); }
+  static Bytes256 load(const void* p) { return {_mm256_loadu_si256(static_cast<const __m256i*>(p))}; }
+  // 16 packed bytes -> low nibbles (elements 0..15), then high nibbles (16..31): the 32-block order.
+  static Bytes256 nibbles(const uint8_t* q16) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q16));
+    return {_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(x, 4), x), m8(0x0f))};
+  }
+  static Bytes256 low_nibbles(const uint8_t* q32) { return {_mm256_and_si256(load(q32).v, m8(0x0f))}; }
+  static Bytes256 high_nibbles(const uint8_t* q32) {
+    return {_mm256_and_si256(_mm256_srli_epi16(load(q32).v, 4), m8(0x0f))};
+  }
+  // byte e = 16 where bit e of `bits` is set (the 5th bit of Q5_0 / Q5_1).
+  static Bytes256 bit4_of_mask(uint32_t bits) {
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(int32_t(bits)),
+                                               _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                                 0x0101010101010101, 0x0000000000000000));
+    const __m256i sel = _mm256_set1_epi64x(int64_t(0x8040201008040201ull));
+    return {_mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, sel), sel), m8(0x10))};
+  }
+  // byte e = 16 where bit b of q32[e] is set (the 5th bit of Q5_K).
+  static Bytes256 bit4_of_bytes(const uint8_t* q32, int b) {
+    const __m256i sel = m8(int8_t(1u << b));
+    return {_mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(load(q32).v, sel), sel), m8(0x10))};
+  }
+  // byte e = ((q32[e] >> s) & 3) << 4 (the two high bits of Q6_K). 16-bit shifts are safe: the mask
+  // keeps only bits of the byte itself.
+  static Bytes256 bits45_of_bytes(const uint8_t* q32, int s) {
+    const __m256i x = _mm256_and_si256(_mm256_srli_epi16(load(q32).v, s), m8(3));
+    return {_mm256_slli_epi16(x, 4)};
+  }
+  friend Bytes256 operator|(Bytes256 a, Bytes256 b) { return {_mm256_or_si256(a.v, b.v)}; }
+  Bytes256 minus(int8_t k) const { return {_mm256_sub_epi8(v, m8(k))}; }
+};
+
+inline __m256i dot_us(__m256i acc, Bytes256 u, Bytes256 s, const xsimd::avx2&) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u.v, s.v), _mm256_set1_epi16(1)));
+}
+// acc + sc_lo * (products of elements 0..15) + sc_hi * (16..31), per 4-lane run.
+inline __m256i dot_us_scaled(__m256i acc, Bytes256 u, Bytes256 s, int16_t sc_lo, int16_t sc_hi, const xsimd::avx2&) {
+  const __m256i sc = _mm256_set_m128i(_mm_set1_epi16(sc_hi), _mm_set1_epi16(sc_lo));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u.v, s.v), sc));
+}
+// Signed x signed through |w| * (s with w's sign).
+inline __m256i dot_ss(__m256i acc, Bytes256 w, Bytes256 s, const xsimd::avx2& a) {
+  return dot_us(acc, {_mm256_abs_epi8(w.v)}, {_mm256_sign_epi8(s.v, w.v)}, a);
+}
+Bytes256 bytes32_of(const xsimd::avx2&);
+xsimd::fma3<xsimd::avx2> int_arch_of(const xsimd::avx2&);
+#endif
+
+#if XSIMD_WITH_AVX512BW
+inline __m256i dot_us(__m256i acc, Bytes256 u, Bytes256 s, const xsimd::avx512f&) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u.v, s.v);
+#else
+  return dot_us(acc, u, s, xsimd::avx2{});
+#endif
+}
+inline __m256i dot_us_scaled(__m256i acc, Bytes256 u, Bytes256 s, int16_t sc_lo, int16_t sc_hi,
+                             const xsimd::avx512f&) {
+  return dot_us_scaled(acc, u, s, sc_lo, sc_hi, xsimd::avx2{});
+}
+inline __m256i dot_ss(__m256i acc, Bytes256 w, Bytes256 s, const xsimd::avx512f& a) {
+  return dot_us(acc, {_mm256_abs_epi8(w.v)}, {_mm256_sign_epi8(s.v, w.v)}, a);
+}
+Bytes256 bytes32_of(const xsimd::avx512f&);
+xsimd::fma3<xsimd::avx2> int_arch_of(const xsimd::avx512f&);
+#endif
+
+#if XSIMD_WITH_SSE4_2
+// x86-64-v2: the group in two 128-bit halves (elements 0..15 in lo, 16..31 in hi). SSSE3 is part of it.
+struct Bytes128x2 {
+  __m128i lo, hi;
+  static __m128i m8(int8_t b) { return _mm_set1_epi8(b); }
+  static __m128i ld(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+  static Bytes128x2 load(const void* p) { return {ld(p), ld(static_cast<const uint8_t*>(p) + 16)}; }
+  static Bytes128x2 nibbles(const uint8_t* q16) {
+    const __m128i x = ld(q16);
+    return {_mm_and_si128(x, m8(0x0f)), _mm_and_si128(_mm_srli_epi16(x, 4), m8(0x0f))};
+  }
+  static Bytes128x2 low_nibbles(const uint8_t* q32) {
+    return {_mm_and_si128(ld(q32), m8(0x0f)), _mm_and_si128(ld(q32 + 16), m8(0x0f))};
+  }
+  static Bytes128x2 high_nibbles(const uint8_t* q32) {
+    return {_mm_and_si128(_mm_srli_epi16(ld(q32), 4), m8(0x0f)),
+            _mm_and_si128(_mm_srli_epi16(ld(q32 + 16), 4), m8(0x0f))};
+  }
+  static Bytes128x2 bit4_of_mask(uint32_t bits) {
+    const __m128i all = _mm_set1_epi32(int32_t(bits));
+    const __m128i sel = _mm_set1_epi64x(int64_t(0x8040201008040201ull));
+    auto half = [&](int64_t idx_hi, int64_t idx_lo) {
+      const __m128i spread = _mm_shuffle_epi8(all, _mm_set_epi64x(idx_hi, idx_lo));
+      return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, sel), sel), m8(0x10));
+    };
+    return {half(0x0101010101010101, 0x0000000000000000), half(0x0303030303030303, 0x0202020202020202)};
+  }
+  static Bytes128x2 bit4_of_bytes(const uint8_t* q32, int b) {
+    const __m128i sel = m8(int8_t(1u << b));
+    auto half = [&](const uint8_t* p) {
+      return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(ld(p), sel), sel), m8(0x10));
+    };
+    return {half(q32), half(q32 + 16)};
+  }
+  static Bytes128x2 bits45_of_bytes(const uint8_t* q32, int s) {
+    auto half = [&](const uint8_t* p) {
+      return _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(ld(p), s), m8(3)), 4);
+    };
+    return {half(q32), half(q32 + 16)};
+  }
+  friend Bytes128x2 operator|(Bytes128x2 a, Bytes128x2 b) {
+    return {_mm_or_si128(a.lo, b.lo), _mm_or_si128(a.hi, b.hi)};
+  }
+  Bytes128x2 minus(int8_t k) const { return {_mm_sub_epi8(lo, m8(k)), _mm_sub_epi8(hi, m8(k))}; }
+};
+
+inline __m128i dot_us_scaled(__m128i acc, Bytes128x2 u, Bytes128x2 s, int16_t sc_lo, int16_t sc_hi,
+                             const xsimd::sse4_2&) {
+  const __m128i lo = _mm_madd_epi16(_mm_maddubs_epi16(u.lo, s.lo), _mm_set1_epi16(sc_lo));
+  const __m128i hi = _mm_madd_epi16(_mm_maddubs_epi16(u.hi, s.hi), _mm_set1_epi16(sc_hi));
+  return _mm_add_epi32(acc, _mm_add_epi32(lo, hi));
+}
+inline __m128i dot_us(__m128i acc, Bytes128x2 u, Bytes128x2 s, const xsimd::sse4_2& a) {
+  // Each half widened by its own pmaddwd (scale 1): adding int16 pairs first could saturate.
+  return dot_us_scaled(acc, u, s, 1, 1, a);
+}
+inline __m128i dot_ss(__m128i acc, Bytes128x2 w, Bytes128x2 s, const xsimd::sse4_2& a) {
+  return dot_us(acc, {_mm_abs_epi8(w.lo), _mm_abs_epi8(w.hi)}, {_mm_sign_epi8(s.lo, w.lo), _mm_sign_epi8(s.hi, w.hi)},
+                a);
+}
+Bytes128x2 bytes32_of(const xsimd::sse4_2&);
+xsimd::sse4_2 int_arch_of(const xsimd::sse4_2&);
+#endif
+
+// The 32-code group type of arch A and the arch of its int32 / float partial sums.
+template <class A>
+using Bytes32 = decltype(bytes32_of(A{}));
+template <class A>
+using IntArch = decltype(int_arch_of(A{}));
+
+template <class A>
+inline ibatch<IntArch<A>> dot_us(const ibatch<IntArch<A>>& acc, const Bytes32<A>& u, const Bytes32<A>& s) {
+  return dot_us(acc, u, s, A{});
+}
+template <class A>
+inline ibatch<IntArch<A>> dot_ss(const ibatch<IntArch<A>>& acc, const Bytes32<A>& w, const Bytes32<A>& s) {
+  return dot_ss(acc, w, s, A{});
+}
+template <class A>
+inline ibatch<IntArch<A>> dot_us_scaled(const ibatch<IntArch<A>>& acc, const Bytes32<A>& u, const Bytes32<A>& s,
+                                        int16_t sc_lo, int16_t sc_hi) {
+  return dot_us_scaled(acc, u, s, sc_lo, sc_hi, A{});
+}
 
 }  // namespace pp::simd

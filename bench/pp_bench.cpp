@@ -1,0 +1,135 @@
+// pp_bench: per-token latency and throughput at Llama-3.2-1B shapes, with the machine's bandwidth ceiling.
+//
+//   build-native/bench/pp_bench --benchmark_filter=Decode   (models are generated under ./models)
+// Every report starts with the bandwidth probe of the same run; decode reports the fraction of it used.
+#include <pp/kernels/matmul.hpp>
+#include <pp/stage.hpp>
+#include <pp/text/sampler.hpp>
+
+#include "bench_common.hpp"
+
+#include <benchmark/benchmark.h>
+
+#include <map>
+#include <random>
+#include <vector>
+
+namespace {
+
+double g_bw[3] = {0, 0, 0};  // probe GB/s by thread count (1, 2)
+
+double probe(unsigned threads) {
+  if (g_bw[threads] == 0) g_bw[threads] = pp::bench::bandwidth_gbs(threads);
+  return g_bw[threads];
+}
+
+void BM_Bandwidth(benchmark::State& st) {
+  const unsigned threads = unsigned(st.range(0));
+  for (auto _ : st) st.counters["GB/s"] = probe(threads);
+}
+BENCHMARK(BM_Bandwidth)->Arg(1)->Arg(2)->Iterations(1)->Unit(benchmark::kMillisecond);
+
+// Matvec (1 token) and matmul at each 1B shape: rows x cols = out x in.
+void BM_Matvec(benchmark::State& st) {
+  const auto type = pp::DType(st.range(0));
+  const std::size_t rows = std::size_t(st.range(1)), cols = std::size_t(st.range(2));
+  const unsigned threads = unsigned(st.range(3));
+  const std::size_t bytes = pp::row_bytes(type, cols) * rows;
+  pp::AnonymousRegion w(bytes);
+  std::mt19937 rng(1);
+  for (std::size_t i = 0; i < bytes / 2; ++i) reinterpret_cast<uint16_t*>(w.data())[i] = uint16_t(0x3c00 ^ (rng() & 0x03ff));
+  pp::MatView mv{type, w.data(), rows, cols, pp::row_bytes(type, cols)};
+  std::vector<float> x(cols, 0.5f), y(rows);
+  pp::ThreadPool pool(threads);
+  for (auto _ : st) {
+    pp::kernels::matmul(pool, mv, x.data(), 1, y.data());
+    benchmark::DoNotOptimize(y.data());
+  }
+  st.counters["GB/s"] = benchmark::Counter(double(bytes), benchmark::Counter::kIsIterationInvariantRate);
+  st.counters["GFLOP/s"] = benchmark::Counter(2.0 * double(rows * cols), benchmark::Counter::kIsIterationInvariantRate);
+  st.SetLabel(std::string(pp::dtype_name(type)) + " " + std::to_string(rows) + "x" + std::to_string(cols));
+}
+void matvec_args(benchmark::internal::Benchmark* b) {
+  const std::vector<std::pair<int, int>> shapes = {{2048, 2048}, {512, 2048}, {8192, 2048}, {2048, 8192}, {128256, 2048}};
+  for (int t : {int(pp::DType::BF16), int(pp::DType::F16)})
+    for (auto [r, c] : shapes)
+      for (int th : {1, 2}) b->Args({t, r, c, th});
+}
+BENCHMARK(BM_Matvec)->Apply(matvec_args)->Unit(benchmark::kMicrosecond)->UseRealTime();
+
+const char* dtype_arg(int64_t i) { return i == 0 ? "bf16" : "f16"; }
+
+struct Loaded {
+  std::unique_ptr<pp::Stage> stage;
+};
+// One stage per (model, threads, residency), kept across benchmarks of the same run.
+pp::Stage& stage_for(const std::string& dtype, unsigned threads, pp::Residency res = pp::Residency::Anonymous) {
+  static std::map<std::tuple<std::string, unsigned, int>, std::unique_ptr<pp::Stage>> cache;
+  auto key = std::make_tuple(dtype, threads, int(res));
+  auto& s = cache[key];
+  if (!s) {
+    cache.clear();  // one resident 1B model at a time
+    auto& slot = cache[key];
+    slot = pp::Stage::open_full(pp::bench::model_1b(dtype), {.ctx = 1024, .threads = threads, .residency = res});
+    return *slot;
+  }
+  return *s;
+}
+
+// Decode: one token per iteration at growing positions after an 8-token prompt.
+void BM_Decode(benchmark::State& st) {
+  const std::string dt = dtype_arg(st.range(0));
+  const unsigned threads = unsigned(st.range(1));
+  const auto res = pp::Residency(st.range(2));
+  const double bw = probe(threads);
+  pp::Stage& s = stage_for(dt, threads, res);
+  pp::Sequence seq = s.new_sequence();
+  const std::size_t E = s.config().n_embd;
+  std::vector<float> rows(8 * E), logits(s.config().n_vocab);
+  const std::vector<int32_t> prompt = {128000, 791, 4062, 14198, 39935, 35308, 927, 279};
+  s.embed(prompt, rows.data());
+  s.forward(seq, 0, rows.data(), prompt.size());
+  int64_t pos = int64_t(prompt.size());
+  int32_t tok = 279;
+  for (auto _ : st) {
+    s.embed({&tok, 1}, rows.data());
+    s.forward(seq, pos, rows.data(), 1);
+    s.head(seq, rows.data(), 1, logits.data());
+    tok = pp::argmax(logits);
+    if (++pos >= int64_t(s.ctx())) pos = int64_t(prompt.size());
+  }
+  const double bytes = double(s.bytes_used());
+  st.counters["tok/s"] = benchmark::Counter(1, benchmark::Counter::kIsIterationInvariantRate);
+  st.counters["GB/s"] = benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  st.counters["probe_GB/s"] = bw;
+  st.SetLabel(dt + (res == pp::Residency::Anonymous ? " resident" : " mmap") + ", weights " +
+              std::to_string(s.bytes_used() >> 20) + " MiB");
+}
+BENCHMARK(BM_Decode)
+    ->ArgsProduct({{0, 1}, {1, 2}, {int(pp::Residency::Anonymous)}})
+    ->Args({0, 2, int(pp::Residency::Mapped)})
+    ->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
+
+// Prefill of n tokens from position 0.
+void BM_Prefill(benchmark::State& st) {
+  const std::string dt = dtype_arg(st.range(0));
+  const std::size_t n = std::size_t(st.range(1));
+  const unsigned threads = unsigned(st.range(2));
+  pp::Stage& s = stage_for(dt, threads);
+  pp::Sequence seq = s.new_sequence();
+  std::vector<float> rows(n * s.config().n_embd), logits(s.config().n_vocab);
+  std::vector<int32_t> toks(n);
+  for (std::size_t i = 0; i < n; ++i) toks[i] = int32_t((i * 7919) % 128000);
+  for (auto _ : st) {
+    s.embed(toks, rows.data());
+    s.forward(seq, 0, rows.data(), n);
+    s.head(seq, rows.data() + (n - 1) * s.config().n_embd, 1, logits.data());
+  }
+  st.counters["tok/s"] = benchmark::Counter(double(n), benchmark::Counter::kIsIterationInvariantRate);
+  st.SetLabel(dt);
+}
+BENCHMARK(BM_Prefill)->ArgsProduct({{0, 1}, {128, 512}, {1, 2}})->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(2);
+
+}  // namespace
+
+BENCHMARK_MAIN();

@@ -1,0 +1,99 @@
+// One PCPL connection: reads headers and bounded payloads, sends frames, every operation under a timeout.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "pp/net/frame.hpp"
+#include "pp/net/socket.hpp"
+
+namespace pp::net {
+
+struct Timeouts {
+  Millis io{10000};          // connect, and each wait for progress once a frame has started
+  Millis idle{kNoTimeout};   // wait for the first byte of the next frame
+};
+
+class Channel {
+ public:
+  // `who` names the far end in every error: "<role> <host>:<port>".
+  Channel(Fd fd, const Peer& peer, std::string_view role, Timeouts timeouts)
+      : fd_(std::move(fd)), peer_(peer), who_(std::string(role) + " " + peer.str()),
+        timeouts_(timeouts) {}
+
+  const Fd& fd() const { return fd_; }
+  const Peer& peer() const { return peer_; }
+  const std::string& who() const { return who_; }
+  const Timeouts& timeouts() const { return timeouts_; }
+
+  // The next frame's header; nullopt when the peer closed cleanly between frames.
+  // Throws NetError (timeout, reset, closed mid-header) or FrameError (bad magic).
+  std::optional<FrameHeader> read_header() {
+    std::array<uint8_t, kFrameHeaderBytes> head;
+    if (!read_exact_or_eof(fd_, head, timeouts_.idle, timeouts_.io, who_, "frame header")) {
+      return std::nullopt;
+    }
+    return decode_header(head);
+  }
+
+  // Reads an n-byte payload into out (resized to n). Memory grows as bytes arrive, in chunks, so a
+  // peer that announces a large payload and sends nothing costs at most one chunk.
+  void read_payload(std::vector<uint8_t>& out, uint32_t n) {
+    constexpr std::size_t kChunk = std::size_t{1} << 20;
+    out.clear();
+    while (out.size() < n) {
+      const std::size_t have = out.size();
+      const std::size_t take = std::min<std::size_t>(kChunk, n - have);
+      out.resize(have + take);
+      read_exact(fd_, std::span<uint8_t>(out).subspan(have, take), timeouts_.io, who_, "frame payload");
+    }
+  }
+
+  // Reads and drops an n-byte payload without holding it.
+  void discard_payload(uint32_t n) {
+    std::array<uint8_t, 16384> sink;
+    uint32_t left = n;
+    while (left > 0) {
+      const uint32_t take = std::min<uint32_t>(left, sink.size());
+      read_exact(fd_, std::span<uint8_t>(sink).first(take), timeouts_.io, who_, "frame payload");
+      left -= take;
+    }
+  }
+
+  // Sends header + payload; header.payload_bytes is set from the payload.
+  void send(FrameHeader header, std::span<const uint8_t> payload) {
+    if (payload.size() > UINT32_MAX) {
+      throw FrameError("to " + who_ + ": payload_bytes " + std::to_string(payload.size()) + " > limit " +
+                       std::to_string(UINT32_MAX) + " (u32 field)");
+    }
+    header.payload_bytes = static_cast<uint32_t>(payload.size());
+    const auto head = encode_header(header);
+    write_all(fd_, head, timeouts_.io, who_, "frame header", !payload.empty());
+    write_all(fd_, payload, timeouts_.io, who_, "frame payload");
+  }
+
+  // Answers the frame `about` with an ERR of the same seq and layer range, in `version`.
+  void send_err(const FrameHeader& about, std::string_view message, uint8_t version = kVersionPlaceholder) {
+    FrameHeader h = about;
+    h.version = version;
+    h.type = kTypeErr;
+    h.reserved = 0;
+    const std::string_view text = message.substr(0, kMaxErrMessageBytes);
+    send(h, std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+  }
+
+ private:
+  Fd fd_;
+  Peer peer_;
+  std::string who_;
+  Timeouts timeouts_;
+};
+
+}  // namespace pp::net

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Installs the Debian packages pp builds and tests with (root or sudo).
+set -euo pipefail
+pkgs=(meson ninja-build g++ pkg-config python3 libxsimd-dev libeigen3-dev googletest libgtest-dev libgmock-dev
+      libbenchmark-dev nlohmann-json3-dev libcli11-dev libpcre2-dev libssl-dev)
+missing=()
+for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi

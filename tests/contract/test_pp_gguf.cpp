@@ -1,0 +1,171 @@
+// pp_gguf contract: `info` on generated and fixture files (exit 0, expected lines), errors exit 2 with one line.
+#include <pp/io/gguf_writer.hpp>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+using pp::gguf::TensorType;
+using pp::gguf::Writer;
+using testing::HasSubstr;
+
+struct ToolRun {
+  int status = -1;
+  std::string out, err;
+};
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// A scratch directory unique to this process, removed at exit.
+const fs::path& scratch() {
+  static const fs::path dir = [] {
+    fs::path d = fs::temp_directory_path() / ("pp_gguf_test." + std::to_string(::getpid()));
+    fs::create_directories(d);
+    return d;
+  }();
+  static const struct Cleanup {
+    ~Cleanup() { fs::remove_all(dir); }
+  } cleanup;
+  return dir;
+}
+
+// Runs pp_gguf with `args` (each single-quoted), capturing stdout, stderr and the exit status.
+ToolRun pp_gguf(const std::vector<std::string>& args) {
+  const char* bin = std::getenv("PP_GGUF_BIN");
+  std::string cmd = bin ? bin : "tools/pp_gguf";
+  for (const auto& a : args) cmd += " '" + a + "'";
+  const fs::path out = scratch() / "stdout", err = scratch() / "stderr";
+  cmd += " >'" + out.string() + "' 2>'" + err.string() + "'";
+  ToolRun r;
+  const int rc = std::system(cmd.c_str());
+  r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+  r.out = slurp(out);
+  r.err = slurp(err);
+  return r;
+}
+
+fs::path write_file(const std::string& name, const std::vector<uint8_t>& bytes) {
+  const fs::path p = scratch() / name;
+  std::ofstream(p, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+  return p;
+}
+
+// A Llama-layout file with `n_blocks` blocks of two F32 tensors (1 KiB each), 4 KiB token_embd,
+// rope_freqs, output_norm, and an output matrix unless tied.
+std::vector<uint8_t> llama_like(uint32_t n_blocks, bool tied) {
+  Writer w;
+  w.add_string("general.architecture", "llama");
+  w.add_u32("llama.block_count", n_blocks);
+  w.add_strings("tokenizer.ggml.tokens", {"a", "b", "c", "d", "e", "f", "g"});
+  w.add_array("tokenizer.ggml.token_type", pp::gguf::ValueType::I32, std::vector<int32_t>{1, 1, 1, 1, 1, 1, 3});
+  const std::vector<float> zeros(1024, 0.0f);
+  w.add_tensor("token_embd.weight", TensorType::F32, {16, 64}, zeros.data(), 4096);
+  w.add_tensor("rope_freqs.weight", TensorType::F32, {8}, zeros.data(), 32);
+  for (uint32_t l = 0; l < n_blocks; ++l) {
+    const std::string blk = "blk." + std::to_string(l) + ".";
+    w.add_tensor(blk + "attn_norm.weight", TensorType::F32, {256}, zeros.data(), 1024);
+    w.add_tensor(blk + "attn_q.weight", TensorType::F32, {16, 16}, zeros.data(), 1024);
+  }
+  w.add_tensor("output_norm.weight", TensorType::F32, {16}, zeros.data(), 64);
+  if (!tied) w.add_tensor("output.weight", TensorType::F32, {16, 64}, zeros.data(), 4096);
+  return w.bytes();
+}
+
+TEST(PpGgufInfo, PrintsHeaderMetadataTensorsAndTotals) {
+  const fs::path p = write_file("model.gguf", llama_like(2, false));
+  const ToolRun r = pp_gguf({"info", p.string()});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  EXPECT_THAT(r.out, HasSubstr("version: 3\n"));
+  EXPECT_THAT(r.out, HasSubstr("alignment: 32\n"));
+  EXPECT_THAT(r.out, HasSubstr("llama.block_count"));
+  EXPECT_THAT(r.out, HasSubstr("[string x 7] \"a\", \"b\", \"c\", \"d\", \"e\", ..."));
+  EXPECT_THAT(r.out, HasSubstr("[i32 x 7] 1, 1, 1, 1, 1, ..."));
+  EXPECT_THAT(r.out, testing::ContainsRegex("blk\\.1\\.attn_q\\.weight +F32 +\\[16, 16\\] +1024"));
+  EXPECT_THAT(r.out, testing::ContainsRegex("F32 +8 tensors"));
+  EXPECT_THAT(r.out, testing::Not(HasSubstr("split into")));
+}
+
+// Stage layout: k = total / n, the last stage takes the rest; token_embd on the first, the output
+// (or the tied token_embd) and output_norm on the last, rope_freqs everywhere.
+TEST(PpGgufInfo, StagesFollowTheLayerRule) {
+  const fs::path p = write_file("tied.gguf", llama_like(5, true));
+  const ToolRun r = pp_gguf({"info", p.string(), "--stages", "3"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("split into 3 stages over 5 blocks:"));
+  // 2 block tensors (2048 bytes) per block; rope_freqs 32; token_embd 4096; output_norm 64.
+  EXPECT_THAT(r.out, HasSubstr("stage 0 (first): blocks [0, 1), 4 tensors, 6176 bytes"));
+  EXPECT_THAT(r.out, HasSubstr("outside blocks: token_embd.weight rope_freqs.weight\n"));
+  EXPECT_THAT(r.out, HasSubstr("stage 1 (middle): blocks [1, 2), 3 tensors, 2080 bytes"));
+  EXPECT_THAT(r.out, HasSubstr("stage 2 (last): blocks [2, 5), 9 tensors, 10336 bytes"));
+  EXPECT_THAT(r.out, HasSubstr("outside blocks: token_embd.weight rope_freqs.weight output_norm.weight\n"));
+
+  const fs::path u = write_file("untied.gguf", llama_like(4, false));
+  const ToolRun s = pp_gguf({"info", u.string(), "--stages", "2"});
+  ASSERT_EQ(s.status, 0) << s.err;
+  EXPECT_THAT(s.out, HasSubstr("stage 0 (first): blocks [0, 2), 6 tensors, 8224 bytes"));
+  EXPECT_THAT(s.out, HasSubstr("stage 1 (last): blocks [2, 4), 7 tensors, 8288 bytes"));
+  EXPECT_THAT(s.out, HasSubstr("outside blocks: rope_freqs.weight output_norm.weight output.weight\n"));
+}
+
+TEST(PpGgufInfo, GoldenTinyFixture) {
+  fs::path p;
+  for (const char* var : {"PP_TEST_DATA", "PP_SHARED_FIXTURES"})
+    if (const char* d = std::getenv(var); d && fs::exists(fs::path(d) / "golden-tiny/golden-tiny-bf16.gguf"))
+      p = fs::path(d) / "golden-tiny/golden-tiny-bf16.gguf";
+  if (p.empty()) GTEST_SKIP() << "golden-tiny-bf16.gguf absent (PP_TEST_DATA, PP_SHARED_FIXTURES)";
+  const ToolRun r = pp_gguf({"info", p.string(), "--stages", "2"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("tensors (39):"));
+  EXPECT_THAT(r.out, testing::ContainsRegex("token_embd\\.weight +BF16 +\\[64, 512\\] +65536"));
+  EXPECT_THAT(r.out, HasSubstr("stage 0 (first): blocks [0, 2)"));
+  EXPECT_THAT(r.out, HasSubstr("stage 1 (last): blocks [2, 4)"));
+}
+
+// Every error: nothing on stdout, exactly one line on stderr naming the problem, exit 2.
+void expect_error(const ToolRun& r, const std::string& message) {
+  EXPECT_EQ(r.status, 2);
+  EXPECT_EQ(r.out, "");
+  EXPECT_THAT(r.err, testing::StartsWith("pp_gguf: "));
+  EXPECT_THAT(r.err, HasSubstr(message));
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+}
+
+TEST(PpGgufInfo, CorruptFileExits2WithOneLine) {
+  std::vector<uint8_t> bytes = llama_like(2, false);
+  bytes.resize(bytes.size() - 1);
+  expect_error(pp_gguf({"info", write_file("truncated.gguf", bytes).string()}),
+               "gguf: tensor 'output.weight': data [");
+  bytes[0] = 'X';
+  expect_error(pp_gguf({"info", write_file("magic.gguf", bytes).string()}), "gguf: bad magic");
+}
+
+TEST(PpGgufInfo, UsageErrorsExit2) {
+  expect_error(pp_gguf({"info", (scratch() / "missing.gguf").string()}), "cannot open");
+  expect_error(pp_gguf({}), "subcommand");
+  expect_error(pp_gguf({"frobnicate"}), "frobnicate");
+  const fs::path p = write_file("small.gguf", llama_like(2, true));
+  expect_error(pp_gguf({"info", p.string(), "--stages", "1"}), "--stages");
+  expect_error(pp_gguf({"info", p.string(), "--stages", "3"}), "cannot split 2 blocks into 3 stages");
+  Writer w;  // no block count
+  expect_error(pp_gguf({"info", write_file("noblocks.gguf", w.bytes()).string(), "--stages", "2"}),
+               "metadata 'llama.block_count': missing");
+}
+
+}  // namespace
