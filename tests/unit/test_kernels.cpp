@@ -210,3 +210,36 @@ TEST(ThreadPool, CoversEveryIndexOnce) {
 }
 
 }  // namespace
+
+namespace {
+// Through pp::kernels::matmul: on AMX machines BF16 weights run on tiles (32-row blocks) with the
+// remaining rows on the AVX path; both must match the oracle and be independent of batch and threads.
+TEST(Matmul, DispatchedBf16PathMatchesOracleAndIsBatchInvariant) {
+  std::printf("AMX %s\n", pp::kernels::amx::available() ? "available: tiles in use for BF16" : "not available");
+  std::mt19937 rng(11);
+  for (std::size_t rows : {32, 100, 200})
+    for (std::size_t cols : {64, 256, 2048}) {
+      const Stored w = store(pp::DType::BF16, randv(rows * cols, rng));
+      const std::size_t m = 37;
+      const std::vector<float> x = randv(m * cols, rng, 3.f);
+      pp::MatView mv{pp::DType::BF16, w.bytes.data(), rows, cols, cols * 2};
+      std::vector<float> y(m * rows), y1(rows), y3(m * rows);
+      pp::ThreadPool p1(1), p3(3);
+      pp::kernels::matmul(p1, mv, x.data(), m, y.data());
+      pp::kernels::matmul(p3, mv, x.data(), m, y3.data());
+      EXPECT_EQ(y, y3);
+      for (std::size_t i = 0; i < m; ++i) {
+        pp::kernels::matmul(p1, mv, x.data() + i * cols, 1, y1.data());
+        for (std::size_t r = 0; r < rows; ++r) {
+          ASSERT_EQ(y1[r], y[i * rows + r]) << "row " << r << " token " << i;
+          double want = 0, mag = 0;
+          for (std::size_t j = 0; j < cols; ++j) {
+            want += double(w.values[r * cols + j]) * x[i * cols + j];
+            mag += std::abs(double(w.values[r * cols + j]) * x[i * cols + j]);
+          }
+          ASSERT_NEAR(y[i * rows + r], want, 1e-6 * mag + 1e-30) << "rows " << rows << " cols " << cols;
+        }
+      }
+    }
+}
+}  // namespace
