@@ -18,15 +18,21 @@
 
 namespace {
 
-// The Llama-3 tokenizer, loaded once; nullptr when the fixture is not there.
+// The Llama-3 tokenizer, loaded once from $PP_SHARED_FIXTURES, else ../shared/fixtures seen from
+// the repository root or a build directory; nullptr when the fixture is not there.
 const pp::Tokenizer* llama3() {
   static const std::unique_ptr<pp::Tokenizer> tok = []() -> std::unique_ptr<pp::Tokenizer> {
-    const char* dir = std::getenv("PP_SHARED_FIXTURES");
-    if (!dir) return nullptr;
-    const std::filesystem::path path = std::filesystem::path(dir) / "llama3-vocab-only.gguf";
-    if (!std::filesystem::exists(path)) return nullptr;
-    const pp::MappedFile file(path.string());
-    return std::make_unique<pp::Tokenizer>(pp::Tokenizer::from_gguf(pp::gguf::parse(file.bytes())));
+    std::vector<std::filesystem::path> dirs;
+    if (const char* env = std::getenv("PP_SHARED_FIXTURES")) dirs.emplace_back(env);
+    dirs.emplace_back("../shared/fixtures");
+    dirs.emplace_back("../../shared/fixtures");
+    for (const auto& dir : dirs) {
+      const std::filesystem::path path = dir / "llama3-vocab-only.gguf";
+      if (!std::filesystem::exists(path)) continue;
+      const pp::MappedFile file(path.string());
+      return std::make_unique<pp::Tokenizer>(pp::Tokenizer::from_gguf(pp::gguf::parse(file.bytes())));
+    }
+    return nullptr;
   }();
   return tok.get();
 }

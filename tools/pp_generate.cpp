@@ -5,6 +5,7 @@
 // of ../shared/fixtures (prompt logits, greedy ids, per-step logits) for comparison with references.
 #include <pp/model/local_pipeline.hpp>
 #include <pp/text/sampler.hpp>
+#include <pp/text/tokenizer.hpp>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -13,6 +14,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 
 namespace {
@@ -46,7 +48,8 @@ nlohmann::json rows_json(const std::vector<float>& v, std::size_t n, std::size_t
 
 int main(int argc, char** argv) {
   CLI::App app{"pp_generate: run a Llama GGUF in one process (optionally as chained stages)"};
-  std::string model, ids_arg, logits_out, wire = "f32";
+  std::string model, ids_arg, prompt_text, logits_out, wire = "f32";
+  bool stop_at_eog = false, no_bos = false;
   std::vector<int> cuts;
   int n_tokens = 16;
   unsigned threads = 0;
@@ -55,7 +58,11 @@ int main(int argc, char** argv) {
   double temperature = 0, top_p = 0, min_p = -1;
   int64_t top_k = 0;
   app.add_option("-m,--model", model, "GGUF model file")->required();
-  app.add_option("--prompt-ids", ids_arg, "prompt token ids, comma-separated (e.g. 496,198,303)")->required();
+  auto* ids_opt = app.add_option("--prompt-ids", ids_arg, "prompt token ids, comma-separated (e.g. 496,198,303)");
+  auto* text_opt = app.add_option("-p,--prompt", prompt_text, "prompt text (tokenized with the model's tokenizer)");
+  ids_opt->excludes(text_opt);
+  app.add_flag("--no-bos", no_bos, "with --prompt: do not add BOS even if the model asks for it");
+  app.add_flag("--stop-at-eog", stop_at_eog, "stop at an end-of-generation token (eos/eot/eom)");
   app.add_option("-n,--tokens", n_tokens, "tokens to generate")->check(CLI::Range(0, 1 << 20));
   app.add_option("--cuts", cuts, "simulate a split: block indices where stages begin (e.g. --cuts 8 or 4,8,12)")
       ->delimiter(',');
@@ -77,9 +84,19 @@ int main(int argc, char** argv) {
     if (app.count("--top-p")) sp.top_p = top_p;
     if (app.count("--min-p")) sp.min_p = min_p;
     sp.validate();
-    const std::vector<int32_t> prompt = parse_ids(ids_arg);
+    if (ids_arg.empty() && prompt_text.empty()) throw pp::Error("give a prompt: --prompt TEXT or --prompt-ids IDS");
     const auto t_load = std::chrono::steady_clock::now();
     pp::LocalPipeline pipe(model, cuts, pp::parse_wire_dtype(wire), {.ctx = ctx, .threads = threads});
+    // The tokenizer is optional for id prompts (a model without one still runs).
+    std::optional<pp::Tokenizer> tok;
+    try {
+      tok = pp::Tokenizer::from_gguf(pipe.stage(0).gguf());
+    } catch (const pp::Error& e) {
+      if (!prompt_text.empty()) throw;
+    }
+    const std::vector<int32_t> prompt =
+        prompt_text.empty() ? parse_ids(ids_arg) : tok->encode(prompt_text, tok->add_bos() && !no_bos);
+    if (prompt.empty()) throw pp::Error("the prompt has no tokens");
     const pp::Config& c = pipe.config();
     const std::size_t V = c.n_vocab, n = prompt.size();
     if (n + std::size_t(n_tokens) > pipe.stage(0).ctx())
@@ -92,6 +109,11 @@ int main(int argc, char** argv) {
     std::vector<float> step_logits;
     std::vector<int32_t> out;
     pp::Sampler sampler;
+    std::optional<pp::StreamDecoder> text;
+    if (tok && !all_rows) text.emplace(*tok);
+    auto is_eog = [&](int32_t t) {
+      return tok && std::find(tok->eog_ids().begin(), tok->eog_ids().end(), t) != tok->eog_ids().end();
+    };
 
     const auto t0 = std::chrono::steady_clock::now();
     pipe.run(prompt, 0, prompt_logits.data(), all_rows ? n : 1);
@@ -101,7 +123,13 @@ int main(int argc, char** argv) {
       if (i > 0) pipe.run({&out.back(), 1}, int64_t(n + i - 1), step.data());
       if (all_rows) step_logits.insert(step_logits.end(), step.begin(), step.end());
       out.push_back(sampler.sample(step, sp, int64_t(n + i)));
+      if (text) {
+        std::fputs(text->feed(out.back()).c_str(), stdout);
+        std::fflush(stdout);
+      }
+      if (stop_at_eog && is_eog(out.back())) break;
     }
+    if (text) std::printf("%s\n", text->flush().c_str());
     const auto t2 = std::chrono::steady_clock::now();
 
     std::cout << "tokens:";
@@ -109,9 +137,10 @@ int main(int argc, char** argv) {
     std::cout << '\n';
     const double pre = std::chrono::duration<double>(t1 - t0).count();
     const double dec = std::chrono::duration<double>(t2 - t1).count();
+    const int decoded = std::max(0, int(out.size()) - 1);
     std::fprintf(stderr, "load %.2f s | prefill %zu tokens %.1f tok/s | decode %d tokens %.2f tok/s | %zu stage(s), wire %s, %u threads\n",
-                 load_s, n, double(n) / pre, std::max(0, n_tokens - 1),
-                 n_tokens > 1 ? double(n_tokens - 1) / dec : 0.0, pipe.n_stages(), wire.c_str(), pipe.stage(0).threads());
+                 load_s, n, double(n) / pre, decoded, decoded > 0 ? double(decoded) / dec : 0.0, pipe.n_stages(),
+                 wire.c_str(), pipe.stage(0).threads());
 
     if (all_rows) {
       nlohmann::json j;

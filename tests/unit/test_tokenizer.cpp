@@ -99,7 +99,14 @@ pp::TokenizerData load_tokenizer_json(const fs::path& path) {
   pp::TokenizerData d;
   d.tokens.resize(std::size_t(n));
   d.types.assign(std::size_t(n), pp::TokenType::normal);
-  for (auto& [id, text] : entries) d.tokens[std::size_t(id)] = std::move(text);
+  for (int32_t i = 0; i < n; ++i) {  // ids the file skips: unused placeholders, as convert_hf_to_gguf
+    d.tokens[std::size_t(i)] = "[PAD" + std::to_string(i) + "]";
+    d.types[std::size_t(i)] = pp::TokenType::unused;
+  }
+  for (auto& [id, text] : entries) {
+    d.tokens[std::size_t(id)] = std::move(text);
+    d.types[std::size_t(id)] = pp::TokenType::normal;
+  }
   for (const auto& [id, special] : added)
     d.types[std::size_t(id)] = special ? pp::TokenType::control : pp::TokenType::user_defined;
   for (const auto& m : model.at("merges")) {
@@ -165,14 +172,14 @@ const Vocabulary& golden_tiny() {
   return v;
 }
 
-std::string quoted(std::string_view s) { return nlohmann::json(pp::utf8::sanitize(s)).dump(); }
+std::string as_json(std::string_view s) { return nlohmann::json(pp::utf8::sanitize(s)).dump(); }
 
 // Streams ids through a StreamDecoder; checks every chunk is complete UTF-8 and returns the text.
 std::string stream_decode(const pp::Tokenizer& tok, const Ids& ids, bool keep_special) {
   pp::StreamDecoder dec(tok, keep_special);
   std::string all;
   for (int32_t id : ids) {
-    const std::string chunk = dec.push(id);
+    const std::string chunk = dec.feed(id);
     EXPECT_TRUE(pp::utf8::is_valid(chunk)) << "partial character streamed after id " << id;
     all += chunk;
   }
@@ -192,8 +199,8 @@ void check_cases(const Vocabulary& v) {
     const Ids& expected = v.from_npm && c.npm_ids ? *c.npm_ids : c.ids;
     const Ids got = v.tok->encode(c.text, false, true);
     const Ids got_plain = v.tok->encode(c.text, false, false);
-    EXPECT_EQ(got, expected) << "parse_special on: " << quoted(c.text);
-    EXPECT_EQ(got_plain, c.ids_no_special) << "parse_special off: " << quoted(c.text);
+    EXPECT_EQ(got, expected) << "parse_special on: " << as_json(c.text);
+    EXPECT_EQ(got_plain, c.ids_no_special) << "parse_special off: " << as_json(c.text);
     mismatches += (got != expected) + (got_plain != c.ids_no_special);
   }
   EXPECT_EQ(mismatches, 0) << "of " << 2 * v.cases.size() << " encodings (" << v.source << ")";
@@ -204,11 +211,11 @@ void check_round_trips(const Vocabulary& v) {
     ASSERT_TRUE(pp::utf8::is_valid(c.text));
     const Ids plain = v.tok->encode(c.text, false, false);
     const Ids special = v.tok->encode(c.text, false, true);
-    EXPECT_EQ(v.tok->decode(plain), c.text) << quoted(c.text);
-    EXPECT_EQ(v.tok->decode(special, true), c.text) << quoted(c.text);
-    EXPECT_EQ(stream_decode(*v.tok, plain, false), c.text) << quoted(c.text);
-    EXPECT_EQ(stream_decode(*v.tok, special, true), c.text) << quoted(c.text);
-    EXPECT_EQ(stream_decode(*v.tok, special, false), v.tok->decode(special)) << quoted(c.text);
+    EXPECT_EQ(v.tok->decode(plain), c.text) << as_json(c.text);
+    EXPECT_EQ(v.tok->decode(special, true), c.text) << as_json(c.text);
+    EXPECT_EQ(stream_decode(*v.tok, plain, false), c.text) << as_json(c.text);
+    EXPECT_EQ(stream_decode(*v.tok, special, true), c.text) << as_json(c.text);
+    EXPECT_EQ(stream_decode(*v.tok, special, false), v.tok->decode(special)) << as_json(c.text);
   }
 }
 
@@ -307,12 +314,12 @@ void check_malformed(const pp::Tokenizer& tok) {
   for (const std::string& s : kMalformed) {
     const std::string repaired = pp::utf8::sanitize(s);
     Ids plain, special;
-    ASSERT_NO_THROW(plain = tok.encode(s, false, false)) << quoted(s);
-    ASSERT_NO_THROW(special = tok.encode(s, false, true)) << quoted(s);
-    EXPECT_EQ(plain, tok.encode(repaired, false, false)) << quoted(s);
-    EXPECT_EQ(special, tok.encode(repaired, false, true)) << quoted(s);
-    EXPECT_EQ(tok.decode(plain), repaired) << quoted(s);
-    EXPECT_EQ(tok.decode(special, true), repaired) << quoted(s);
+    ASSERT_NO_THROW(plain = tok.encode(s, false, false)) << as_json(s);
+    ASSERT_NO_THROW(special = tok.encode(s, false, true)) << as_json(s);
+    EXPECT_EQ(plain, tok.encode(repaired, false, false)) << as_json(s);
+    EXPECT_EQ(special, tok.encode(repaired, false, true)) << as_json(s);
+    EXPECT_EQ(tok.decode(plain), repaired) << as_json(s);
+    EXPECT_EQ(tok.decode(special, true), repaired) << as_json(s);
   }
   EXPECT_EQ(tok.encode("\x80", false), replacement);
   EXPECT_EQ(tok.encode(std::string("\xED\xA0\x80"), false), tok.encode("\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD", false));
@@ -376,9 +383,9 @@ void fuzz(const pp::Tokenizer& tok, std::size_t n) {
                       tok.decode(std::span(special).subspan(1), true) == repaired &&
                       stream_decode(tok, special, true) == tok.decode(special, true) &&
                       stream_decode(tok, plain, false) == repaired;
-      if (!ok && ++failures <= 10) ADD_FAILURE() << "round trip differs for " << quoted(s);
+      if (!ok && ++failures <= 10) ADD_FAILURE() << "round trip differs for " << as_json(s);
     } catch (const std::exception& e) {
-      if (++failures <= 10) ADD_FAILURE() << "threw " << e.what() << " for " << quoted(s);
+      if (++failures <= 10) ADD_FAILURE() << "threw " << e.what() << " for " << as_json(s);
     }
   }
   EXPECT_EQ(failures, 0) << "of " << n << " inputs";
@@ -395,39 +402,50 @@ TEST(Llama3Tokenizer, FuzzRandomBytes) {
 // ---------------------------------------------------------------------------------------------
 // Streaming decode
 
+// The token of each single byte (every byte-level vocabulary has all 256).
+Ids byte_ids(const pp::Tokenizer& tok, std::string_view bytes) {
+  Ids ids;
+  for (char c : bytes) {
+    int32_t found = -1;
+    for (int32_t id = 0; id < tok.vocab_size() && found < 0; ++id)
+      if (!tok.is_control(id) && tok.piece(id) == std::string_view(&c, 1)) found = id;
+    EXPECT_GE(found, 0) << "no byte token for " << int(static_cast<uint8_t>(c));
+    ids.push_back(found);
+  }
+  return ids;
+}
+
 TEST(StreamDecoder, HoldsBackIncompleteCharacters) {
   const pp::Tokenizer& tok = *golden_tiny().tok;
-  // The tiny vocabulary has no merges for emoji: U+1F642 is four byte tokens.
-  const Ids ids = tok.encode("\xF0\x9F\x99\x82!", false);
-  ASSERT_EQ(ids.size(), 5u);
+  const Ids ids = byte_ids(tok, "\xF0\x9F\x99\x82!");  // U+1F642, one byte per token
   pp::StreamDecoder dec(tok);
-  EXPECT_EQ(dec.push(ids[0]), "");
-  EXPECT_EQ(dec.push(ids[1]), "");
-  EXPECT_EQ(dec.push(ids[2]), "");
+  EXPECT_EQ(dec.feed(ids[0]), "");
+  EXPECT_EQ(dec.feed(ids[1]), "");
+  EXPECT_EQ(dec.feed(ids[2]), "");
   EXPECT_EQ(dec.pending(), 3u);
-  EXPECT_EQ(dec.push(ids[3]), "\xF0\x9F\x99\x82");
-  EXPECT_EQ(dec.push(ids[4]), "!");
+  EXPECT_EQ(dec.feed(ids[3]), "\xF0\x9F\x99\x82");
+  EXPECT_EQ(dec.feed(ids[4]), "!");
   EXPECT_EQ(dec.flush(), "");
 }
 
 TEST(StreamDecoder, FlushReplacesAnUnfinishedCharacter) {
   const pp::Tokenizer& tok = *golden_tiny().tok;
-  const Ids ids = tok.encode("\xF0\x9F\x99\x82", false);
+  const Ids ids = byte_ids(tok, "\xF0\x9F" "A");
   pp::StreamDecoder dec(tok);
-  EXPECT_EQ(dec.push(ids[0]), "");
-  EXPECT_EQ(dec.push(ids[1]), "");
+  EXPECT_EQ(dec.feed(ids[0]), "");
+  EXPECT_EQ(dec.feed(ids[1]), "");
   EXPECT_EQ(dec.flush(), "\xEF\xBF\xBD\xEF\xBF\xBD");  // as decode() of the two bytes
   EXPECT_EQ(tok.decode(Ids{ids[0], ids[1]}), "\xEF\xBF\xBD\xEF\xBF\xBD");
-  // An invalid continuation is replaced at once and the next character still comes out.
-  EXPECT_EQ(dec.push(ids[0]), "");
-  EXPECT_EQ(dec.push(tok.encode("A", false)[0]), "\xEF\xBF\xBD" "A");
+  // A byte that cannot continue the sequence: the held byte is replaced at once.
+  EXPECT_EQ(dec.feed(ids[0]), "");
+  EXPECT_EQ(dec.feed(ids[2]), "\xEF\xBF\xBD" "A");
 }
 
 TEST(StreamDecoder, ControlTokensOnlyWhenAsked) {
   const pp::Tokenizer& tok = *golden_tiny().tok;
   pp::StreamDecoder plain(tok), special(tok, true);
-  EXPECT_EQ(plain.push(501), "");
-  EXPECT_EQ(special.push(501), "<|eot_id|>");
+  EXPECT_EQ(plain.feed(501), "");
+  EXPECT_EQ(special.feed(501), "<|eot_id|>");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -457,9 +475,11 @@ TEST(Utf8, DecodesBoundariesAndRefusesIllFormedSequences) {
   };
   for (const Row& r : rows) {
     const pp::utf8::Decoded d = pp::utf8::decode_one(r.bytes, 0);
-    EXPECT_EQ(d.status, r.status) << quoted(r.bytes);
-    EXPECT_EQ(int(d.len), r.len) << quoted(r.bytes);
-    if (r.status == Status::ok) EXPECT_EQ(d.cp, r.cp) << quoted(r.bytes);
+    EXPECT_EQ(d.status, r.status) << as_json(r.bytes);
+    EXPECT_EQ(int(d.len), r.len) << as_json(r.bytes);
+    if (r.status == Status::ok) {
+      EXPECT_EQ(d.cp, r.cp) << as_json(r.bytes);
+    }
   }
 }
 
@@ -500,11 +520,11 @@ TEST(Utf8, IncrementalDecoderEqualsOneShot) {
       const std::size_t n = std::min<std::size_t>(s.size() - pos, rng() % 5);
       const std::size_t before = out.size();
       dec.feed(std::string_view(s).substr(pos, n), out);
-      ASSERT_TRUE(pp::utf8::is_valid(std::string_view(out).substr(before))) << quoted(s);
+      ASSERT_TRUE(pp::utf8::is_valid(std::string_view(out).substr(before))) << as_json(s);
       pos += n;
     }
     dec.flush(out);
-    ASSERT_EQ(out, pp::utf8::sanitize(s)) << quoted(s);
+    ASSERT_EQ(out, pp::utf8::sanitize(s)) << as_json(s);
   }
 }
 
@@ -593,6 +613,7 @@ TEST(PreTokenizer, Llama3Pattern) {
   // U+180E is not White_Space (llama.cpp), although PCRE2's UCP \s matches it.
   EXPECT_EQ(split(pre, "a\xE1\xA0\x8E\xE1\xA0\x8E" "b"), (V{"a", "\xE1\xA0\x8E\xE1\xA0\x8E", "b"}));
   EXPECT_EQ(split(pre, ""), V{});
+  EXPECT_THROW(split(pre, "ok\x80"), pp::TokenizerError);  // the tokenizer repairs input before splitting
 }
 
 TEST(PreTokenizer, DefaultPatternsApplyInSequence) {
@@ -776,6 +797,23 @@ TEST(TokenizerMetadata, EachProblemIsRefusedWithItsOwnMessage) {
     messages.insert(msg);
   }
   EXPECT_EQ(messages.size(), bad.size()) << "two problems share a message";
+}
+
+TEST(TokenizerMetadata, DataStructIsValidatedToo) {
+  pp::TokenizerData d;
+  EXPECT_THROW(
+      {
+        try {
+          pp::Tokenizer t(d);
+        } catch (const pp::TokenizerError& e) {
+          EXPECT_THAT(e.what(), HasSubstr("the vocabulary is empty"));
+          throw;
+        }
+      },
+      pp::TokenizerError);
+  d.tokens = {"a", "b"};
+  d.types = {pp::TokenType::normal};
+  EXPECT_THROW(pp::Tokenizer{d}, pp::TokenizerError);  // types and tokens differ in length
 }
 
 TEST(TokenizerMetadata, MissingPreWarnsAndUsesLlamaCppDefault) {

@@ -32,7 +32,6 @@
 #include <pcre2.h>
 
 #include <array>
-#include <cassert>
 #include <cstddef>
 #include <memory>
 #include <string>
@@ -130,12 +129,15 @@ class PreTokenizer {
   PreTokenizerKind kind() const { return kind_; }
 
   // Calls emit(std::string_view piece) for each non-empty piece of `text`, in order; the pieces
-  // concatenate to `text`. Precondition: text is well-formed UTF-8 (the tokenizer repairs input
-  // first). Throws TokenizerError if PCRE2 gives up (match or stack limit), which the patterns'
-  // shape (no nested quantifiers) should make impossible.
+  // concatenate to `text`. `text` must be well-formed UTF-8 (the tokenizer repairs its input
+  // first; checking again costs little next to the match). Throws TokenizerError otherwise, or
+  // if PCRE2 gives up (match or stack limit), which the patterns' shape (no nested quantifiers)
+  // should make impossible.
   template <class Emit>
   void split(std::string_view text, Emit&& emit) const {
-    assert(utf8::is_valid(text));
+    if (const std::size_t good = utf8::valid_prefix(text); good != text.size())
+      throw TokenizerError("pre-tokenizer: input is not well-formed UTF-8 at byte " + std::to_string(good) +
+                           " of " + std::to_string(text.size()));
     if (text.empty()) return;
     std::vector<detail::MatchData> md;
     md.reserve(patterns_.size());

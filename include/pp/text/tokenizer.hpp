@@ -9,8 +9,9 @@
 //     belong to a well-formed sequence becomes U+FFFD (utf8.hpp). For lone continuation bytes,
 //     truncated sequences and invalid lead bytes this is exactly llama.cpp's result; llama.cpp
 //     instead decodes overlong forms and surrogates leniently (and throws on leads F5..F7),
-//     where pp replaces each of their bytes by U+FFFD. So encode never throws on any input bytes, and
-//     decode(encode(s, false)) == utf8::sanitize(s) for every byte string s.
+//     where pp replaces each of their bytes by U+FFFD. So encode never throws on any input
+//     bytes, and decode(encode(s, false, false)) == utf8::sanitize(s) for every byte string s
+//     (with parse_special on, decode with keep_special gives the same).
 //  3. Pre-tokenizer split (pretokenizer.hpp, PCRE2).
 //  4. Each piece: when the pre-tokenizer is llama-bpe (ignore_merges) and the piece is itself a
 //     token, that token; otherwise one symbol per byte (its byte token) merged by rank
@@ -180,6 +181,7 @@ class Tokenizer {
     return utf8::sanitize(out);
   }
 
+  // Per-token accessors; each throws TokenizerError for an id outside the vocabulary.
   // The token's text as stored in the vocabulary (byte alphabet for normal tokens: "Ġthe").
   std::string_view token_text(int32_t id) const { return v_->text(checked(id)); }
   // The bytes the token decodes to (control tokens: their text); may be partial UTF-8.
@@ -599,7 +601,7 @@ inline Tokenizer Tokenizer::from_gguf(const gguf::File& f) {
   return Tokenizer(d);
 }
 
-// Incremental detokenizer for streaming output: push one token at a time and get back only
+// Incremental detokenizer for streaming output: feed one token at a time and get back only
 // complete UTF-8 characters; an incomplete sequence is held until the next token completes it
 // (or flush() ends the stream). The concatenated output equals Tokenizer::decode of all ids.
 class StreamDecoder {
@@ -607,8 +609,9 @@ class StreamDecoder {
   explicit StreamDecoder(Tokenizer tok, bool keep_special = false)
       : tok_(std::move(tok)), keep_special_(keep_special) {}
 
-  // The complete characters that token `id` finishes (possibly empty).
-  std::string push(int32_t id) {
+  // The complete characters that token `id` finishes (possibly empty). Throws TokenizerError
+  // for an id outside the vocabulary.
+  std::string feed(int32_t id) {
     bytes_.clear();
     tok_.append_piece(id, keep_special_, bytes_);
     std::string out;
