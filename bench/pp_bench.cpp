@@ -110,6 +110,34 @@ BENCHMARK(BM_Decode)
     ->Args({0, 2, int(pp::Residency::Mapped)})
     ->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
 
+// n sequences decoding together: one batched step reads each weight once for all of them.
+void BM_DecodeMulti(benchmark::State& st) {
+  const std::string dt = dtype_arg(st.range(0));
+  const std::size_t n_seq = std::size_t(st.range(1));
+  const unsigned threads = unsigned(st.range(2));
+  pp::Stage& s = stage_for(dt, threads);
+  const std::size_t E = s.config().n_embd, V = s.config().n_vocab;
+  std::vector<pp::Sequence> seqs;
+  for (std::size_t q = 0; q < n_seq; ++q) seqs.push_back(s.new_sequence());
+  std::vector<float> rows(n_seq * E), logits(n_seq * V);
+  std::vector<int32_t> toks(n_seq);
+  std::vector<pp::Stage::BatchEntry> batch(n_seq);
+  int64_t pos = 0;
+  for (auto _ : st) {
+    for (std::size_t q = 0; q < n_seq; ++q) {
+      toks[q] = int32_t((q * 7919 + std::size_t(pos) * 31) % 128000);
+      batch[q] = {&seqs[q], pos, 1};
+    }
+    s.embed(toks, rows.data());
+    s.forward_batch(batch, rows.data());
+    s.head(seqs[0], rows.data(), n_seq, logits.data());
+    if (++pos >= int64_t(s.ctx())) pos = 0;
+  }
+  st.counters["tok/s"] = benchmark::Counter(double(n_seq), benchmark::Counter::kIsIterationInvariantRate);
+  st.SetLabel(dt + ", " + std::to_string(n_seq) + " sequences");
+}
+BENCHMARK(BM_DecodeMulti)->ArgsProduct({{0}, {1, 2, 4, 8}, {2}})->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
+
 // Prefill of n tokens from position 0.
 void BM_Prefill(benchmark::State& st) {
   const std::string dt = dtype_arg(st.range(0));

@@ -1,4 +1,4 @@
-// pp_node: one forward pass split at a layer boundary across machines over TCP (placeholder mode proves the transport).
+// pp_node: one forward pass split at layer boundaries across machines over TCP (a real model, or the placeholder transform).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -8,17 +8,22 @@
 #include <exception>
 #include <iostream>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <CLI/CLI.hpp>
 
+#include "node/model_coordinator.hpp"
 #include "pp/core/error.hpp"
 #include "pp/core/sha256.hpp"
+#include "pp/io/ollama.hpp"
 #include "pp/net/channel.hpp"
 #include "pp/net/frame.hpp"
 #include "pp/net/latency.hpp"
+#include "pp/net/model_worker.hpp"
 #include "pp/net/placeholder.hpp"
 #include "pp/net/placeholder_worker.hpp"
 #include "pp/net/server.hpp"
@@ -27,11 +32,11 @@
 namespace {
 
 using pp::net::Millis;
-
-constexpr int kExitOk = 0;
-constexpr int kExitMismatch = 1;  // byte-identity failed (the prototype's status)
-constexpr int kExitUsage = 2;
-constexpr int kExitFailure = 3;   // a peer died, stalled, refused or sent garbage; or a local error
+using pp::node::kExitFailure;
+using pp::node::kExitMismatch;
+using pp::node::kExitOk;
+using pp::node::kExitUsage;
+using pp::node::UsageError;
 
 constexpr uint16_t kDefaultPort = 52100;
 
@@ -99,7 +104,12 @@ pp::net::Server::Handler placeholder_handler(const pp::net::FrameLimits& limits)
   return [limits](pp::net::Channel& ch) { pp::net::serve_placeholder(ch, limits); };
 }
 
-void worker_log(const std::string& line) { std::cerr << "pp_node worker: " << line << std::endl; }
+// Called from every connection thread (and several workers in a self-test): one line at a time.
+void worker_log(const std::string& line) {
+  static std::mutex mutex;
+  std::lock_guard lock(mutex);
+  std::cerr << "pp_node worker: " << line << std::endl;
+}
 
 int run_worker(const std::string& host, uint16_t port, const pp::net::FrameLimits& limits,
                const pp::net::ServerOptions& options) {
@@ -252,6 +262,117 @@ int run_selftest(const Geometry& g, const pp::net::FrameLimits& limits, pp::net:
   return run_coordinator(pp::net::Peer{host, port}, g, true, timeout);
 }
 
+// ---- real model (version 2) ----
+
+// What a model worker serves: one ModelWorker shared by every connection.
+pp::net::Server::Handler model_handler(pp::net::ModelWorker& worker) {
+  return [&worker](pp::net::Channel& ch) { worker.serve(ch); };
+}
+
+int run_model_worker(const std::string& host, uint16_t port, pp::net::ModelWorkerOptions wopt,
+                     const pp::net::ServerOptions& options) {
+  pp::net::ModelWorker worker(std::move(wopt), worker_log);
+  const pp::net::ModelIdentity& id = worker.identity();
+  pp::net::Listener listener = pp::net::listen_tcp(host, port);
+  const uint16_t bound = listener.local.port;
+  std::cout << "pipe worker (model '" << id.file << "', " << id.n_layer << " layers, hidden " << id.n_embd
+            << ", fingerprint " << id.fingerprint.substr(0, 16) << "; layer range assigned per session)" << std::endl;
+  std::cout << "pipe worker (stage B) listening on " << host << ":" << bound << "  (Ctrl-C to stop)" << std::endl;
+  if (!pp::net::is_loopback_host(host)) {
+    std::cerr << "pp_node: warning: worker bound to " << host << ":" << bound
+              << " (not loopback): any host that can reach this port may open up to " << options.max_connections
+              << " sessions, each running layers of '" << id.file << "' with a KV cache of up to "
+              << worker.max_ctx() << " positions, and name any host:port as its next hop; there is no "
+              << "authentication. Bind --host 127.0.0.1 or firewall the port unless that is intended." << std::endl;
+  }
+  install_stop_handlers();
+  pp::net::Server server(std::move(listener), options, model_handler(worker), worker_log);
+  server.serve(&g_stop_requested);
+  std::cout << "\nworker stopped" << std::endl;
+  return kExitOk;
+}
+
+// Every stage in this process: one in-process worker per cut, each on its own loopback port, and the
+// coordinator verifying every token against the unsplit model.
+int run_model_selftest(pp::node::ModelRunOptions run, std::size_t n_workers, const pp::net::ModelWorkerOptions& wopt,
+                       const pp::net::ServerOptions& options) {
+  struct Node {
+    std::unique_ptr<pp::net::ModelWorker> worker;
+    std::unique_ptr<pp::net::Server> server;
+    std::thread thread;
+  };
+  std::vector<Node> nodes(n_workers);
+  struct StopAll {
+    std::vector<Node>& nodes;
+    ~StopAll() {
+      for (auto& n : nodes)
+        if (n.server) n.server->stop();
+      for (auto& n : nodes)
+        if (n.thread.joinable()) n.thread.join();
+    }
+  } stop_all{nodes};
+  for (auto& n : nodes) {
+    n.worker = std::make_unique<pp::net::ModelWorker>(wopt, worker_log);
+    pp::net::Listener listener = pp::net::listen_tcp("127.0.0.1", 0);
+    run.workers.push_back(listener.local);
+    n.server = std::make_unique<pp::net::Server>(std::move(listener), options, model_handler(*n.worker), worker_log);
+    n.thread = std::thread([s = n.server.get()] { s->serve(); });
+  }
+  run.verify = pp::node::Verify::all;
+  std::cout << "pipe self-test: " << n_workers + 1 << " stages in one process over loopback, every token verified\n"
+            << std::endl;
+  return pp::node::run_model_coordinator(run);
+}
+
+// "H1[:P1],H2[:P2],..." in chain order; a host without a port takes --port.
+std::vector<pp::net::Peer> parse_workers(const std::string& list, uint16_t default_port) {
+  std::vector<pp::net::Peer> out;
+  std::size_t start = 0;
+  while (start <= list.size()) {
+    const std::size_t comma = std::min(list.find(',', start), list.size());
+    const std::string item = list.substr(start, comma - start);
+    const std::size_t colon = item.rfind(':');
+    pp::net::Peer p{item, default_port};
+    if (colon != std::string::npos) {
+      p.host = item.substr(0, colon);
+      const std::string port = item.substr(colon + 1);
+      std::size_t used = 0;
+      long v = -1;
+      try {
+        v = std::stol(port, &used);
+      } catch (const std::exception&) {
+      }
+      if (used != port.size() || v < 1 || v > 65535)
+        throw UsageError{"--coordinator: '" + item + "': port '" + port + "' is not in [1, 65535]"};
+      p.port = static_cast<uint16_t>(v);
+    }
+    if (p.host.empty()) throw UsageError{"--coordinator: empty host in '" + list + "'"};
+    out.push_back(p);
+    start = comma + 1;
+  }
+  return out;
+}
+
+std::vector<int32_t> parse_ids(const std::string& s) {
+  std::vector<int32_t> out;
+  std::size_t start = 0;
+  while (start <= s.size()) {
+    const std::size_t comma = std::min(s.find(',', start), s.size());
+    const std::string item = s.substr(start, comma - start);
+    std::size_t used = 0;
+    long v = -1;
+    try {
+      v = std::stol(item, &used);
+    } catch (const std::exception&) {
+    }
+    if (used != item.size() || v < 0 || v > INT32_MAX)
+      throw UsageError{"--prompt-ids: '" + item + "' is not a non-negative token id"};
+    out.push_back(static_cast<int32_t>(v));
+    start = comma + 1;
+  }
+  return out;
+}
+
 // ---- command line ----
 
 struct Cli {
@@ -270,10 +391,23 @@ struct Cli {
   int64_t max_connections = static_cast<int64_t>(pp::net::kDefaultMaxConnections);
   double timeout_s = 10.0;
   double idle_timeout_s = 300.0;
-};
-
-struct UsageError {
-  std::string message;
+  // real model
+  std::string model;
+  bool cut_given = false;
+  std::vector<int> cuts;
+  std::optional<std::string> prompt;
+  std::string prompt_ids;
+  std::string verify = "probe";
+  std::optional<double> temperature, top_p, min_p;
+  std::optional<int64_t> top_k;
+  uint64_t seed = 0;
+  bool ignore_eos = false;
+  unsigned threads = 0;
+  int64_t ctx = 0;
+  int64_t max_ctx = 0;
+  std::string logits_out;
+  std::string dump_digests;
+  double load_timeout_s = 120.0;
 };
 
 void require_range(const char* name, int64_t value, int64_t lo, int64_t hi) {
@@ -303,6 +437,60 @@ Geometry validated_geometry(const Cli& c) {
                   static_cast<uint32_t>(c.cut), static_cast<uint32_t>(c.tokens)};
 }
 
+// Real-model mode: --hidden and --layers come from the model, the cuts are checked against it.
+int run_model(const Cli& c, const pp::net::ServerOptions& options, Millis timeout) {
+  require_range("--tokens", c.tokens, 1, UINT32_MAX);
+  require_range("--ctx", c.ctx, 0, pp::llama::kMaxCtx);
+  require_range("--max-ctx", c.max_ctx, 0, pp::llama::kMaxCtx);
+  if (!(c.load_timeout_s > 0)) throw UsageError{"--load-timeout must be > 0 seconds"};
+  if (c.cut_given && !c.cuts.empty()) throw UsageError{"give --cut C or --cuts C1,C2,..., not both"};
+  const pp::ResolvedModel model = pp::resolve_model(c.model);
+  if (model.how == "ollama") std::cout << "model: " << c.model << " -> " << model.path << std::endl;
+
+  pp::net::ModelWorkerOptions wopt;
+  wopt.path = model.path;
+  wopt.threads = c.threads;
+  wopt.max_ctx = static_cast<uint32_t>(c.max_ctx);
+  wopt.link = pp::net::Timeouts{timeout, timeout};
+  wopt.load_wait = seconds_to_millis(c.load_timeout_s);
+  if (c.worker) return run_model_worker(c.host, static_cast<uint16_t>(c.port), wopt, options);
+
+  pp::node::ModelRunOptions run;
+  run.path = model.path;
+  run.cuts = c.cut_given ? std::vector<int>{static_cast<int>(std::clamp<int64_t>(c.cut, INT32_MIN, INT32_MAX))} : c.cuts;
+  run.prompt = c.prompt;
+  if (!c.prompt_ids.empty()) run.prompt_ids = parse_ids(c.prompt_ids);
+  if (c.prompt && !run.prompt_ids.empty()) throw UsageError{"give --prompt or --prompt-ids, not both"};
+  run.tokens = static_cast<uint32_t>(c.tokens);
+  if (c.no_verify && c.verify != "probe") throw UsageError{"give --no-verify or --verify, not both"};
+  run.verify = c.no_verify || c.verify == "none" ? pp::node::Verify::none
+               : c.verify == "all"               ? pp::node::Verify::all
+                                                 : pp::node::Verify::probe;
+  run.sampling.temperature = c.temperature;
+  run.sampling.top_k = c.top_k;
+  run.sampling.top_p = c.top_p;
+  run.sampling.min_p = c.min_p;
+  run.sampling.seed = c.seed;
+  try {
+    run.sampling.validate();
+  } catch (const pp::RequestError& e) {
+    throw UsageError{e.what()};
+  }
+  run.ignore_eos = c.ignore_eos;
+  run.threads = c.threads;
+  run.ctx = static_cast<uint32_t>(c.ctx);
+  run.logits_out = c.logits_out;
+  run.dump_digests = c.dump_digests;
+  run.timeouts = pp::net::Timeouts{timeout, timeout};
+  run.load_wait = wopt.load_wait;
+  if (c.selftest) {
+    const std::size_t n_workers = c.cuts.empty() ? 1 : c.cuts.size();
+    return run_model_selftest(std::move(run), n_workers, wopt, options);
+  }
+  run.workers = parse_workers(c.coordinator, static_cast<uint16_t>(c.port));
+  return pp::node::run_model_coordinator(run);
+}
+
 int run(const Cli& c) {
   const int modes = int{c.selftest} + int{c.worker} + int{!c.coordinator.empty()};
   if (modes != 1) throw UsageError{"exactly one of --selftest, --worker, --coordinator HOST is required"};
@@ -311,6 +499,16 @@ int run(const Cli& c) {
   require_range("--max-connections", c.max_connections, 1, 65536);
   if (!(c.timeout_s > 0)) throw UsageError{"--timeout must be > 0 seconds"};
   if (!(c.idle_timeout_s >= 0)) throw UsageError{"--idle-timeout must be >= 0 seconds (0 = never)"};
+  if (!c.model.empty()) {
+    require_range("--port", c.port, c.worker ? 0 : 1, 65535);
+    const Millis timeout = seconds_to_millis(c.timeout_s);
+    pp::net::ServerOptions options;
+    options.max_connections = static_cast<std::size_t>(c.max_connections);
+    options.timeouts = pp::net::Timeouts{timeout, seconds_to_millis(c.idle_timeout_s)};
+    options.peer_role = "peer";
+    return run_model(c, options, timeout);
+  }
+  if (!c.cuts.empty()) throw UsageError{"--cuts needs --model (the placeholder has two stages: use --cut)"};
   const Geometry g = validated_geometry(c);
   require_range("--port", c.port, c.worker ? 0 : 1, 65535);
 
@@ -331,13 +529,16 @@ int run(const Cli& c) {
 
 int main(int argc, char** argv) {
   std::signal(SIGPIPE, SIG_IGN);  // sockets use MSG_NOSIGNAL; this covers a closed stdout pipe too
-  CLI::App app{"pp_node: a forward pass split at a layer boundary across machines over TCP.\n"
-               "Without --model it runs the placeholder transform, which proves the transport."};
+  CLI::App app{"pp_node: a forward pass split at layer boundaries across machines over TCP.\n"
+               "With --model it runs the real model (workers get their layer range in the handshake);\n"
+               "without it, the placeholder transform, which proves the transport."};
   app.footer("Exit status: 0 ok, 1 byte-identity mismatch, 2 usage error, 3 peer or transport failure.");
   Cli c;
   app.add_flag("--selftest", c.selftest, "run both stages in one process on loopback (correctness gate)");
   app.add_flag("--worker", c.worker, "run stage B (layers [cut, layers)), serving several connections");
-  app.add_option("--coordinator", c.coordinator, "run stage A (layers [0, cut)) against the worker at HOST")
+  app.add_option("--coordinator", c.coordinator,
+                 "run stage A (layers [0, cut)) against the worker at HOST; with --model a chain "
+                 "H1[:P1],H2[:P2],... in order")
       ->type_name("HOST");
   app.add_option("--port", c.port, "worker port (worker: 0 binds an ephemeral port, printed)")
       ->capture_default_str();
@@ -345,7 +546,7 @@ int main(int argc, char** argv) {
   app.add_option("--hidden", c.hidden, "residual width in uint32 words (activation = hidden*4 bytes)")
       ->capture_default_str();
   app.add_option("--layers", c.layers, "total layers")->capture_default_str();
-  app.add_option("--cut", c.cut, "stage boundary layer, 0 < cut < layers")->capture_default_str();
+  auto* cut_opt = app.add_option("--cut", c.cut, "stage boundary layer, 0 < cut < layers")->capture_default_str();
   app.add_option("--tokens", c.tokens, "tokens to stream")->capture_default_str();
   app.add_flag("--no-verify", c.no_verify, "coordinator does not compute ground truth");
   app.add_option("--max-payload", c.max_payload, "largest frame payload accepted, bytes")->capture_default_str();
@@ -359,8 +560,37 @@ int main(int argc, char** argv) {
   app.add_option("--idle-timeout", c.idle_timeout_s,
                  "worker: seconds a connection may sit between frames (0 = never)")
       ->capture_default_str();
+  // Real model.
+  app.add_option("--model", c.model, "GGUF file or Ollama tag: run the real model")->type_name("PATH|TAG");
+  app.add_option("--cuts", c.cuts, "with --model: stage boundaries C1,C2,... (one per worker; default even)")
+      ->delimiter(',');
+  app.add_option("--prompt", c.prompt, "with --model: prompt text (default 'The capital of France is')");
+  app.add_option("--prompt-ids", c.prompt_ids, "with --model: prompt token ids, comma-separated");
+  app.add_option("--verify", c.verify,
+                 "with --model: probe (first 4 tokens against this process), all (every token), none")
+      ->check(CLI::IsMember({"probe", "all", "none"}))
+      ->capture_default_str();
+  app.add_option("--temperature", c.temperature, "sample at this temperature (> 0) instead of argmax");
+  app.add_option("--top-k", c.top_k, "sample from the k most likely tokens");
+  app.add_option("--top-p", c.top_p, "sample from the smallest set with probability >= p");
+  app.add_option("--min-p", c.min_p, "drop tokens below min_p x the top probability");
+  app.add_option("--seed", c.seed, "sampling seed (the draw depends only on seed and position)")
+      ->capture_default_str();
+  app.add_flag("--ignore-eos", c.ignore_eos, "keep generating past end-of-generation tokens");
+  app.add_option("--threads", c.threads, "compute threads per stage (0 = all cores)")->capture_default_str();
+  app.add_option("--ctx", c.ctx, "coordinator: KV capacity of every stage (0 = min(4096, model context))")
+      ->capture_default_str();
+  app.add_option("--max-ctx", c.max_ctx, "worker: largest KV capacity a session may ask for (0 = min(4096, model))")
+      ->capture_default_str();
+  app.add_option("--logits-out", c.logits_out,
+                 "coordinator: write every sampled position's logits, raw little-endian f32 [tokens, n_vocab]");
+  app.add_option("--dump-digests", c.dump_digests,
+                 "coordinator: write 'position token sha256-of-logits' per generated token");
+  app.add_option("--load-timeout", c.load_timeout_s, "seconds a handshake may wait for workers to load their layers")
+      ->capture_default_str();
   try {
     app.parse(argc, argv);
+    c.cut_given = cut_opt->count() > 0;
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {

@@ -139,8 +139,8 @@ int main(int argc, char** argv) {
   std::set_terminate(on_terminate);
   CliOptions cli;
   CLI::App app{"pp_worker: one Llama-3.2 pipeline stage over stdin/stdout JSON lines.\n"
-               "Environment: STAGE, NUM_STAGES (required), MODEL, PP_WORKER_STUB, PP_CTX, PP_WIRE_DTYPE,\n"
-               "PP_WORKER_EVENTS, PP_HEARTBEAT_SECS (see docs/PROTOCOL-WORKER.md)."};
+               "Environment: STAGE, NUM_STAGES (required), MODEL, PP_WORKER_STUB, PP_CTX, PP_THREADS,\n"
+               "PP_WIRE_DTYPE, PP_WORKER_EVENTS, PP_HEARTBEAT_SECS (see docs/PROTOCOL-WORKER.md)."};
   std::string model, ctx;
   app.add_flag("--stub", cli.stub, "stub mode: no model, deterministic stand-ins (also PP_WORKER_STUB=1)");
   CLI::Option* model_opt = app.add_option("--model", model, "GGUF path or Ollama tag (default: $MODEL)");

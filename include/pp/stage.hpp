@@ -47,6 +47,10 @@ struct StageOptions {
   unsigned threads = 0;       // compute threads; 0 = hardware concurrency
   std::size_t max_rows = 32;  // rows per internal chunk of a long request (bounds the scratch)
   bool prefetch = true;       // fault in the stage's tensors at load instead of on first use
+  // Quantized weights: int8 activations and integer dots, llama.cpp's numerics (its distance from exact
+  // math on tests/data/golden-kq, 1.3-3.5x faster), or false for the exact path (weights dequantized to
+  // f32 inside the dot, within 1e-3 of float64). Float weights ignore it.
+  bool fast_quant = true;
   Residency residency = Residency::Mapped;
 };
 
@@ -62,6 +66,8 @@ class Sequence {
 
 class Stage {
  public:
+  static constexpr std::size_t kMaxSegments = 64;  // sequences per chunk of a batched step
+
   Stage(const std::string& path, LayerRange range, StageOptions opt = {})
       : file_(path), gguf_(gguf::parse(file_.bytes())), cfg_(llama::read_config(gguf_)) {
     init(range, opt);
@@ -105,16 +111,52 @@ class Stage {
   // rows[n, n_embd] at positions pos..pos+n-1 through this stage's blocks, in place. Validates the request
   // against the sequence's cache first (see KvCache) and leaves it unchanged when refused.
   void forward(Sequence& seq, int64_t pos, float* rows, std::size_t n) const {
-    seq.kv.validate(pos, n);
+    const BatchEntry e{&seq, pos, n};
+    forward_batch({&e, 1}, rows);
+  }
+
+  // One entry of a multi-sequence step: n rows of `seq` at positions pos..pos+n-1.
+  struct BatchEntry {
+    Sequence* seq;
+    int64_t pos;
+    std::size_t n;
+  };
+
+  // Several sequences through this stage together: rows holds every entry's rows, concatenated
+  // ([sum n, n_embd], in place). Each weight is read once per chunk of up to max_rows rows for all of
+  // them, and each row's result is the same as if its sequence ran alone. Every entry is validated
+  // before anything changes; the sequences must be distinct. Uses the first sequence's scratch.
+  void forward_batch(std::span<const BatchEntry> batch, float* rows) const {
+    if (batch.empty()) return;
+    for (std::size_t i = 0; i < batch.size(); ++i) {
+      batch[i].seq->kv.validate(batch[i].pos, batch[i].n);
+      for (std::size_t j = 0; j < i; ++j)
+        if (batch[j].seq == batch[i].seq) throw RequestError("a sequence appears twice in one batch");
+    }
     const std::size_t hp = cfg_.head_dim / 2;
-    Scratch& s = seq.scratch;
-    for (std::size_t c0 = 0; c0 < n; c0 += max_rows_) {
-      const std::size_t m = std::min(max_rows_, n - c0);
-      const int64_t p = pos + int64_t(c0);
-      for (std::size_t i = 0; i < m; ++i) rope_.table(p + int64_t(i), s.cos.data() + i * hp, s.sin.data() + i * hp);
-      float* x = rows + c0 * cfg_.n_embd;
-      for (std::size_t l = 0; l < blocks_.size(); ++l) block_forward(cfg_, blocks_[l], seq.kv, l, p, m, x, s, *pool_);
-      seq.kv.commit(p, m);
+    Scratch& s = batch[0].seq->scratch;
+    Segment segs[kMaxSegments];
+    std::size_t entry = 0, done = 0;  // next row to run: row `done` of batch[entry]
+    float* x = rows;
+    while (entry < batch.size()) {
+      // Fill one chunk of up to max_rows rows with (parts of) consecutive entries.
+      std::size_t m = 0, n_segs = 0;
+      while (entry < batch.size() && m < max_rows_ && n_segs < kMaxSegments) {
+        const BatchEntry& b = batch[entry];
+        const std::size_t take = std::min(b.n - done, max_rows_ - m);
+        const int64_t p = b.pos + int64_t(done);
+        segs[n_segs] = Segment{&b.seq->kv, p, m, take};
+        for (std::size_t i = 0; i < take; ++i) {
+          rope_.table(p + int64_t(i), s.cos.data() + (m + i) * hp, s.sin.data() + (m + i) * hp);
+          s.row_seg[m + i] = uint32_t(n_segs);
+        }
+        ++n_segs, m += take, done += take;
+        if (done == b.n) ++entry, done = 0;
+      }
+      const std::span<const Segment> chunk(segs, n_segs);
+      for (std::size_t l = 0; l < blocks_.size(); ++l) block_forward(cfg_, blocks_[l], chunk, l, m, x, s, *pool_, fast_quant_);
+      for (const Segment& g : chunk) g.kv->commit(g.pos, g.n);
+      x += m * cfg_.n_embd;
     }
   }
 
@@ -127,7 +169,7 @@ class Stage {
       for (std::size_t i = 0; i < m; ++i)
         kernels::rmsnorm(rows + (c0 + i) * cfg_.n_embd, out_norm_, cfg_.rms_eps, cfg_.n_embd,
                          s.xn.data() + i * cfg_.n_embd);
-      kernels::matmul(*pool_, output_, s.xn.data(), m, logits + c0 * cfg_.n_vocab);
+      kernels::matmul(*pool_, output_, s.xn.data(), m, logits + c0 * cfg_.n_vocab, {fast_quant_, s.xq.span()});
     }
   }
 
@@ -151,6 +193,7 @@ class Stage {
     ctx_ = opt.ctx ? opt.ctx : std::min<std::size_t>(4096, cfg_.ctx_len);
     if (ctx_ > llama::kMaxCtx) throw Error("ctx " + std::to_string(ctx_) + " exceeds " + std::to_string(llama::kMaxCtx));
     max_rows_ = std::max<std::size_t>(1, std::min(opt.max_rows, ctx_));
+    fast_quant_ = opt.fast_quant;
     pool_ = std::make_unique<ThreadPool>(opt.threads);
     rope_ = Rope(cfg_.head_dim, cfg_.rope_base, llama::rope_freq_factors(gguf_, cfg_));
 
@@ -222,6 +265,7 @@ class Stage {
   Config cfg_;
   LayerRange range_;
   std::size_t ctx_ = 0, max_rows_ = 32, bytes_used_ = 0;
+  bool fast_quant_ = false;
   std::unique_ptr<ThreadPool> pool_;
   Rope rope_;
   AnonymousRegion resident_;  // the weights' copy under Residency::Anonymous

@@ -150,3 +150,44 @@ TEST(Stage, AnonymousResidencyGivesTheSameLogitsAsMapped) {
   }
 }
 }  // namespace
+
+namespace {
+// Sequences stepped together give each sequence exactly the logits it gets alone.
+TEST(Stage, BatchedSequencesEqualSequencesRunAlone) {
+  auto st = pp::Stage::open_full(tiny("bf16"), {.ctx = 24, .threads = 2, .max_rows = 7});
+  const std::size_t E = st->config().n_embd, V = st->config().n_vocab;
+  const int n_seq = 5;
+  std::vector<std::vector<int32_t>> toks(n_seq);
+  for (int q = 0; q < n_seq; ++q)
+    for (int i = 0; i < 40; ++i) toks[q].push_back(int32_t((q * 131 + i * 17) % 496));
+  std::vector<pp::Sequence> alone, together;
+  for (int q = 0; q < n_seq; ++q) alone.push_back(st->new_sequence()), together.push_back(st->new_sequence());
+  // Prompts of different lengths, then decode steps; the ring (24) wraps during the run.
+  std::vector<int64_t> pos(n_seq, 0);
+  for (int step = 0; step < 12; ++step) {
+    std::vector<pp::Stage::BatchEntry> batch;
+    std::vector<float> rows, want;
+    for (int q = 0; q < n_seq; ++q) {
+      const std::size_t n = step == 0 ? std::size_t(1 + q * 2) : 1 + std::size_t(step % 2) * (q % 2);
+      std::vector<float> r(n * E);
+      st->embed({toks[q].data() + pos[q], n}, r.data());
+      batch.push_back({&together[q], pos[q], n});
+      rows.insert(rows.end(), r.begin(), r.end());
+      st->forward(alone[q], pos[q], r.data(), n);
+      want.insert(want.end(), r.begin(), r.end());
+      pos[q] += int64_t(n);
+    }
+    st->forward_batch(batch, rows.data());
+    ASSERT_EQ(0, std::memcmp(rows.data(), want.data(), rows.size() * 4)) << "step " << step;
+  }
+  std::vector<float> l(V);
+  for (int q = 0; q < n_seq; ++q) EXPECT_EQ(together[q].n_past(), alone[q].n_past());
+  // A batch with one invalid entry changes nothing.
+  std::vector<float> rows(2 * E);
+  std::vector<pp::Stage::BatchEntry> bad = {{&together[0], pos[0], 1}, {&together[1], pos[1] + 5, 1}};
+  EXPECT_THROW(st->forward_batch(bad, rows.data()), pp::RequestError);
+  EXPECT_EQ(together[0].n_past(), pos[0]);
+  std::vector<pp::Stage::BatchEntry> twice = {{&together[0], pos[0], 1}, {&together[0], pos[0], 1}};
+  EXPECT_THROW(st->forward_batch(twice, rows.data()), pp::RequestError);
+}
+}  // namespace

@@ -2,7 +2,8 @@
 //
 // Weights follow the recipe of ../shared/fixtures/REFCHECK-FIXTURES.txt so logits are not degenerate:
 // normal draws (one generator per tensor, seeded from the model seed and the tensor name) scaled per
-// matrix kind and rounded to the bfloat16 grid, so F32/F16/BF16 files hold the same values.
+// matrix kind and rounded to the bfloat16 grid, so F32/F16/BF16 files hold the same values; quantized
+// files hold those values quantized (kernels/quant.hpp), in llama-quantize's per-tensor type mixes.
 #pragma once
 
 #include <pp/core/error.hpp>
@@ -10,12 +11,15 @@
 #include <pp/io/gguf.hpp>
 #include <pp/io/gguf_writer.hpp>
 #include <pp/io/mmap.hpp>
+#include <pp/kernels/quant.hpp>
 #include <pp/text/sampler.hpp>
 
 #include <cmath>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace pp::synth {
@@ -23,11 +27,74 @@ namespace pp::synth {
 struct Spec {
   std::size_t n_vocab = 512, n_embd = 64, n_layer = 4, n_head = 4, n_head_kv = 2, n_ff = 192, ctx = 2048;
   float rope_base = 500000.f, rms_eps = 1e-5f;
-  gguf::TensorType dtype = gguf::TensorType::BF16;
+  gguf::TensorType dtype = gguf::TensorType::BF16;  // every matrix, except as below
+  // llama-quantize's exceptions (set by file_type): token_embd, which is also the tied output, and the
+  // attn_v / ffn_down of the layers its use_more_bits rule picks (the "_M" K-quant mixes).
+  std::optional<gguf::TensorType> embd_dtype, more_bits_dtype;
   uint64_t seed = 1;
   std::string vocab_from;  // copy tokenizer.* metadata (and the vocabulary size) from this GGUF
   std::string name = "pp-synth";
 };
+
+// Sets the weight types the way llama-quantize writes file type `name`: f32, f16, bf16; q8_0 (every matrix,
+// token_embd included, as Ollama's llama3.2:1b); q6_k; q4_0, q4_1, q5_0, q5_1 (token_embd, the tied output,
+// in Q6_K); q4_k_m, q5_k_m (also Q6_K for attn_v / ffn_down of the use_more_bits layers).
+inline void set_file_type(Spec& s, std::string_view name) {
+  using T = gguf::TensorType;
+  struct Row {
+    std::string_view name;
+    T dtype;
+    std::optional<T> embd, more_bits;
+  };
+  static const Row rows[] = {{"f32", T::F32, {}, {}},          {"f16", T::F16, {}, {}},
+                             {"bf16", T::BF16, {}, {}},        {"q8_0", T::Q8_0, {}, {}},
+                             {"q6_k", T::Q6_K, {}, {}},        {"q4_0", T::Q4_0, T::Q6_K, {}},
+                             {"q4_1", T::Q4_1, T::Q6_K, {}},   {"q5_0", T::Q5_0, T::Q6_K, {}},
+                             {"q5_1", T::Q5_1, T::Q6_K, {}},   {"q4_k_m", T::Q4_K, T::Q6_K, T::Q6_K},
+                             {"q5_k_m", T::Q5_K, T::Q6_K, T::Q6_K}};
+  for (const Row& r : rows)
+    if (r.name == name) {
+      s.dtype = r.dtype, s.embd_dtype = r.embd, s.more_bits_dtype = r.more_bits;
+      return;
+    }
+  throw Error("synth: file type '" + std::string(name) +
+              "' is not one of f32, f16, bf16, q8_0, q6_k, q4_0, q4_1, q5_0, q5_1, q4_k_m, q5_k_m");
+}
+
+// llama-quantize's choice of layers that get more bits in the "_M" mixes (layer i of n).
+inline bool use_more_bits(std::size_t i, std::size_t n) {
+  return i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2;  // i >= n / 8 in the last test
+}
+
+// A matrix's type for rows of `cols` elements. Like llama-quantize, a K-quant falls back when the row is not
+// a multiple of 256: Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0.
+inline gguf::TensorType fit_row(gguf::TensorType t, std::size_t cols) {
+  using T = gguf::TensorType;
+  if (cols % 256 != 0) {
+    if (t == T::Q4_K) t = T::Q5_0;
+    if (t == T::Q5_K) t = T::Q5_1;
+    if (t == T::Q6_K) t = T::Q8_0;
+  }
+  if (cols % gguf::type_traits(t).block_elems != 0)
+    throw Error("synth: rows of " + std::to_string(cols) + " elements do not fit " + gguf::type_name(t) + " blocks");
+  return t;
+}
+
+// The kernel type of a quantized tensor type synth writes.
+inline DType quant_dtype(gguf::TensorType t) {
+  using T = gguf::TensorType;
+  switch (t) {
+    case T::Q8_0: return DType::Q8_0;
+    case T::Q4_0: return DType::Q4_0;
+    case T::Q4_1: return DType::Q4_1;
+    case T::Q5_0: return DType::Q5_0;
+    case T::Q5_1: return DType::Q5_1;
+    case T::Q4_K: return DType::Q4_K;
+    case T::Q5_K: return DType::Q5_K;
+    case T::Q6_K: return DType::Q6_K;
+    default: throw Error(std::string("synth: cannot write tensor type ") + gguf::type_name(t));
+  }
+}
 
 // Exactly Llama-3.2-1B's shapes.
 inline Spec llama32_1b() {
@@ -194,25 +261,27 @@ inline uint64_t write(Spec spec, const std::string& path) {
 
   const float se = 1.f / std::sqrt(float(spec.n_embd));
   std::vector<TensorPlan> plan;
-  auto mat = [&](std::string n, std::size_t cols, std::size_t rows, float scale) {
-    plan.push_back({std::move(n), {cols, rows}, spec.dtype, TensorPlan::Matrix, scale});
+  auto mat = [&](std::string n, std::size_t cols, std::size_t rows, float scale, gguf::TensorType type) {
+    plan.push_back({std::move(n), {cols, rows}, fit_row(type, cols), TensorPlan::Matrix, scale});
   };
   auto vec = [&](std::string n, std::size_t len, TensorPlan::Kind k) {
     plan.push_back({std::move(n), {len}, gguf::TensorType::F32, k, 1.f});
   };
-  mat("token_embd.weight", spec.n_embd, spec.n_vocab, se);
+  mat("token_embd.weight", spec.n_embd, spec.n_vocab, se, spec.embd_dtype.value_or(spec.dtype));
   vec("rope_freqs.weight", hd / 2, TensorPlan::RopeFreqs);
   for (std::size_t l = 0; l < spec.n_layer; ++l) {
     const std::string b = "blk." + std::to_string(l) + ".";
+    const gguf::TensorType more =
+        spec.more_bits_dtype && use_more_bits(l, spec.n_layer) ? *spec.more_bits_dtype : spec.dtype;
     vec(b + "attn_norm.weight", spec.n_embd, TensorPlan::Norm);
-    mat(b + "attn_q.weight", spec.n_embd, spec.n_embd, 2 * se);
-    mat(b + "attn_k.weight", spec.n_embd, spec.n_head_kv * hd, 2 * se);
-    mat(b + "attn_v.weight", spec.n_embd, spec.n_head_kv * hd, se);
-    mat(b + "attn_output.weight", spec.n_embd, spec.n_embd, se);
+    mat(b + "attn_q.weight", spec.n_embd, spec.n_embd, 2 * se, spec.dtype);
+    mat(b + "attn_k.weight", spec.n_embd, spec.n_head_kv * hd, 2 * se, spec.dtype);
+    mat(b + "attn_v.weight", spec.n_embd, spec.n_head_kv * hd, se, more);
+    mat(b + "attn_output.weight", spec.n_embd, spec.n_embd, se, spec.dtype);
     vec(b + "ffn_norm.weight", spec.n_embd, TensorPlan::Norm);
-    mat(b + "ffn_gate.weight", spec.n_embd, spec.n_ff, se);
-    mat(b + "ffn_up.weight", spec.n_embd, spec.n_ff, se);
-    mat(b + "ffn_down.weight", spec.n_ff, spec.n_embd, 1.f / std::sqrt(float(spec.n_ff)));
+    mat(b + "ffn_gate.weight", spec.n_embd, spec.n_ff, se, spec.dtype);
+    mat(b + "ffn_up.weight", spec.n_embd, spec.n_ff, se, spec.dtype);
+    mat(b + "ffn_down.weight", spec.n_ff, spec.n_embd, 1.f / std::sqrt(float(spec.n_ff)), more);
   }
   vec("output_norm.weight", spec.n_embd, TensorPlan::OutNorm);
 
@@ -251,24 +320,36 @@ inline uint64_t write(Spec spec, const std::string& path) {
   put(head.data(), head.size());
   const std::vector<float> rope = llama3_rope_freqs(hd, spec.rope_base);
   std::vector<uint8_t> buf;
+  std::vector<float> row;
   uint64_t written = 0;
   for (const TensorPlan& t : plan) {
     Normal rng(name_seed(spec.seed, t.name));
-    const uint64_t n = t.n_bytes / (t.type == gguf::TensorType::F32 ? 4 : 2);
+    const std::size_t cols = std::size_t(t.ne[0]), rows = t.ne.size() > 1 ? std::size_t(t.ne[1]) : 1;
+    const std::size_t rb = std::size_t(t.n_bytes) / rows;
     buf.resize(std::size_t(t.n_bytes));
-    for (uint64_t i = 0; i < n; ++i) {
-      float v;
-      switch (t.kind) {
-        case TensorPlan::Matrix: v = t.scale * rng(); break;
-        case TensorPlan::Norm: v = 1.f + 0.1f * rng(); break;
-        case TensorPlan::OutNorm: v = 4.f * (1.f + 0.1f * rng()); break;
-        case TensorPlan::RopeFreqs: v = rope[i]; break;
+    row.resize(cols);
+    for (std::size_t r = 0; r < rows; ++r) {  // values drawn in element order, whatever the type
+      for (std::size_t j = 0; j < cols; ++j) {
+        float v = 0.f;
+        switch (t.kind) {
+          case TensorPlan::Matrix: v = t.scale * rng(); break;
+          case TensorPlan::Norm: v = 1.f + 0.1f * rng(); break;
+          case TensorPlan::OutNorm: v = 4.f * (1.f + 0.1f * rng()); break;
+          case TensorPlan::RopeFreqs: v = rope[j]; break;
+        }
+        row[j] = t.kind == TensorPlan::RopeFreqs ? v : bf16_to_f32(f32_to_bf16(v));  // the bf16 grid
       }
-      if (t.kind != TensorPlan::RopeFreqs) v = bf16_to_f32(f32_to_bf16(v));  // the bf16 grid
-      if (t.type == gguf::TensorType::F32) std::memcpy(&buf[i * 4], &v, 4);
-      else {
-        const uint16_t h = t.type == gguf::TensorType::BF16 ? f32_to_bf16(v) : f32_to_f16(v);
-        std::memcpy(&buf[i * 2], &h, 2);
+      uint8_t* out = buf.data() + r * rb;
+      switch (t.type) {
+        case gguf::TensorType::F32: std::memcpy(out, row.data(), cols * 4); break;
+        case gguf::TensorType::F16:
+        case gguf::TensorType::BF16:
+          for (std::size_t j = 0; j < cols; ++j) {
+            const uint16_t h = t.type == gguf::TensorType::BF16 ? f32_to_bf16(row[j]) : f32_to_f16(row[j]);
+            std::memcpy(out + j * 2, &h, 2);
+          }
+          break;
+        default: quant::quantize_row(quant_dtype(t.type), row.data(), cols, out);
       }
     }
     put(buf.data(), buf.size());

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <pp/model/layer_range.hpp>
+#include <pp/text/sampler.hpp>
 
 #include <nlohmann/json.hpp>
 
@@ -24,30 +25,24 @@ struct Geometry {
   bool check_token_range = false;      // real mode rejects ids >= vocab_size; stub accepts any id
 };
 
-// Sampling fields of forward_and_sample, already validated (temperature > 0 and finite, top_k >= 1,
-// top_p in (0, 1], min_p in [0, 1)). An absent field takes its neutral value: temperature 1,
-// top_k = vocabulary, top_p 1, min_p 0, seed 0. With no field present the request is greedy.
-struct SamplingParams {
-  std::optional<double> temperature;
-  std::optional<int32_t> top_k;
-  std::optional<double> top_p;
-  std::optional<double> min_p;
-  std::optional<uint64_t> seed;
-  bool greedy() const { return !temperature && !top_k && !top_p && !min_p && !seed; }
-};
+// Sampling fields of forward_and_sample, validated by the worker (temperature > 0 and finite,
+// top_k >= 1, top_p in (0, 1], min_p in [0, 1), seed uint64). The library's sampler defines them and
+// the draw, so the worker, the generator and the node pick the same token for the same (seed, pos).
+using SamplingParams = pp::SamplingParams;
 
 // One stage. Hidden rows are f32 [n, hidden_dim] row-major; the wire's bf16/f16 is not this
 // interface's concern. Methods throw pp::Error (RequestError for a bad request, which must leave
 // the stage's state as it was); the worker answers with an error line and keeps serving.
 // Role checks happen before these are called: a method is only called on a stage whose role serves
-// its op (tokenize/embed on First, forward_range on Middle, sample/detokenize on Last).
+// its op (tokenize/embed on First, forward_range on Middle, sample/detokenize on Last), except that
+// generate_full (any stage) first calls tokenize(prompt, nullopt, true) when given a prompt.
 class Backend {
  public:
   virtual ~Backend() = default;
 
   virtual Geometry geometry() const = 0;
   // Extra fields of the `model_loaded` event (load-time breakdown, bytes mapped, resident MB, ...).
-  virtual nlohmann::json load_report() const = 0;
+  virtual nlohmann::ordered_json load_report() const = 0;
 
   // add_bos absent: what the model's metadata says.
   virtual std::vector<int32_t> tokenize(const std::string& prompt, std::optional<bool> add_bos,

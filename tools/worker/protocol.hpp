@@ -242,6 +242,9 @@ inline std::optional<RawSpan> find_raw_string_value(std::string_view s, std::str
     if (s[i] == '}') break;
     return std::nullopt;
   }
+  ++i;
+  ws();
+  if (i != s.size()) return std::nullopt;  // trailing bytes: let the parser name them
   return found;
 }
 
@@ -437,7 +440,7 @@ inline Request parse_request(std::string_view line, const RequestLimits& limits)
       if (s.temperature && !(*s.temperature > 0))
         f.fail("field 'temperature' is " + nlohmann::json(*s.temperature).dump() + ", must be > 0");
       if (const nlohmann::json* k = f.find("top_k"))
-        s.top_k = int32_t(f.integer(*k, "top_k", 1, std::numeric_limits<int32_t>::max()));
+        s.top_k = f.integer(*k, "top_k", 1, std::numeric_limits<int64_t>::max());
       s.top_p = f.optional_number("top_p");
       if (s.top_p && !(*s.top_p > 0 && *s.top_p <= 1))
         f.fail("field 'top_p' is " + nlohmann::json(*s.top_p).dump() + ", must be in (0, 1]");

@@ -26,6 +26,7 @@ inline constexpr int kExitStartup = 2;
 inline constexpr int64_t kDefaultStubCtx = 4096;
 inline constexpr int64_t kMaxCtx = int64_t(1) << 24;  // keeps the line limit and buffers far from overflow
 inline constexpr int64_t kDefaultHeartbeatSecs = 30;
+inline constexpr int64_t kMaxThreads = 1024;
 
 // Options from the command line (the environment supplies the rest).
 struct CliOptions {
@@ -40,6 +41,7 @@ struct WorkerConfig {
   bool stub = false;
   std::optional<std::string> model;  // --model, else $MODEL (real mode)
   std::optional<int64_t> ctx;        // --ctx, else PP_CTX; absent: the backend's default
+  int64_t threads = 0;               // PP_THREADS: compute threads of real mode; 0 = every core
   WireDtype wire_dtype = WireDtype::bf16;
   bool events_on_stdout = false;
   int64_t heartbeat_secs = kDefaultHeartbeatSecs;
@@ -165,6 +167,8 @@ inline WorkerConfig read_config(const CliOptions& cli, const EnvLookup& env = []
   } else if (auto v = detail::optional_env(env, "PP_CTX")) {
     c.ctx = detail::bounded_int(*v, "PP_CTX", 1, kMaxCtx);
   }
+
+  if (auto v = detail::optional_env(env, "PP_THREADS")) c.threads = detail::bounded_int(*v, "PP_THREADS", 0, kMaxThreads);
 
   if (auto v = detail::optional_env(env, "PP_WIRE_DTYPE")) {
     if (*v == "bf16" || *v == "bfloat16") {

@@ -65,7 +65,7 @@ class StubBackend final : public Backend {
 
   Geometry geometry() const override { return geo_; }
 
-  nlohmann::json load_report() const override {
+  nlohmann::ordered_json load_report() const override {
     return {{"mode", "stub"}, {"load_ms", 0.0}, {"bytes_mapped", 0}, {"blocks", geo_.layer_range.size()}};
   }
 

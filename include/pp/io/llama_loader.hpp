@@ -97,9 +97,18 @@ inline DType kernel_dtype(const gguf::TensorInfo& t) {
     case gguf::TensorType::F32: return DType::F32;
     case gguf::TensorType::F16: return DType::F16;
     case gguf::TensorType::BF16: return DType::BF16;
+    case gguf::TensorType::Q8_0: return DType::Q8_0;
+    case gguf::TensorType::Q4_0: return DType::Q4_0;
+    case gguf::TensorType::Q4_1: return DType::Q4_1;
+    case gguf::TensorType::Q5_0: return DType::Q5_0;
+    case gguf::TensorType::Q5_1: return DType::Q5_1;
+    case gguf::TensorType::Q4_K: return DType::Q4_K;
+    case gguf::TensorType::Q5_K: return DType::Q5_K;
+    case gguf::TensorType::Q6_K: return DType::Q6_K;
     default:
       throw ModelError("tensor '" + t.name + "' has type " + gguf::type_name(t.type) +
-                       ", which this build cannot run (supported: F32, F16, BF16)");
+                       ", which this build cannot run (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
+                       "Q4_K, Q5_K, Q6_K)");
   }
 }
 

@@ -1,4 +1,4 @@
-// Dense matrix products against stored weights (F32 / F16 / BF16), f32 activations and accumulation.
+// Matrix products against stored weights (F32 / F16 / BF16 here, ggml's quantized formats in quant.hpp).
 //
 // Invariant: the dot product of one weight row with one activation row is computed by the same
 // sequence of operations whether it is part of a 1-token matvec or an n-token matmul, and whatever
@@ -7,10 +7,14 @@
 
 #include <pp/core/dtype.hpp>
 #include <pp/core/thread_pool.hpp>
+#include <pp/kernels/quant.hpp>
+#include <pp/kernels/amx.hpp>
 #include <pp/kernels/simd.hpp>
 
 #include <algorithm>
+#include <cassert>
 #include <cstddef>
+#include <span>
 
 namespace pp::kernels {
 
@@ -71,33 +75,74 @@ inline void matmul_rows_typed(const MatView& w, const float* x, std::size_t m, f
   }
 }
 
+// xq: for quantized w, the rows of x quantized by quant::quantize_act_row (fast path); null = exact path.
 template <class A>
-inline void matmul_rows(const MatView& w, const float* x, std::size_t m, float* y, std::size_t r0, std::size_t r1) {
+inline void matmul_rows(const MatView& w, const float* x, std::size_t m, float* y, std::size_t r0, std::size_t r1,
+                        const uint8_t* xq = nullptr) {
   switch (w.type) {
     case DType::F32: return matmul_rows_typed<A, simd::F32w>(w, x, m, y, r0, r1);
     case DType::F16: return matmul_rows_typed<A, simd::F16w>(w, x, m, y, r0, r1);
     case DType::BF16: return matmul_rows_typed<A, simd::Bf16w>(w, x, m, y, r0, r1);
+    default: return quant::matmul_rows<A>(w, x, xq, m, y, r0, r1);
   }
 }
 
+// The numeric path of quantized weights (float weights ignore it). Exact: weights dequantized to f32
+// inside the dot. Fast: x's rows quantized once per call into the caller's `xq`, integer dot products.
+struct QuantPath {
+  bool fast = false;
+  std::span<uint8_t> xq;  // [m, quant::act_row_bytes(w.type, w.cols)] bytes; act_row_bytes_bound suffices
+};
+
+#if PP_HAVE_AMX
+// BF16 weights on AMX: whole 32-row blocks on tiles, the remaining rows (if any) on the AVX path.
+template <class A>
+inline void matmul_amx(ThreadPool& pool, const MatView& w, const float* x, std::size_t m, float* y) {
+  // Grows to the largest call, then reused: no per-token allocation. Workers must see the caller's
+  // instance, so it is passed by reference (a thread_local named inside the lambda would be theirs).
+  static thread_local amx::PackedX tls;
+  amx::PackedX& px = tls;
+  amx::pack(x, m, w.cols, px);
+  const std::size_t blocks = w.rows / amx::kRowBlock, tail = blocks * amx::kRowBlock;
+  pool.parallel_for(blocks, [&](std::size_t b, std::size_t e, unsigned) {
+    amx::matmul_rows(w, px, m, y, b * amx::kRowBlock, e * amx::kRowBlock);
+  });
+  if (tail < w.rows) matmul_rows<A>(w, x, m, y, tail, w.rows);
+}
+#endif
+
 // y[m, w.rows] = x[m, w.cols] * w^T, output rows split across the pool.
 template <class A = simd::Best>
-inline void matmul(ThreadPool& pool, const MatView& w, const float* x, std::size_t m, float* y) {
+inline void matmul(ThreadPool& pool, const MatView& w, const float* x, std::size_t m, float* y, QuantPath path = {}) {
+  const uint8_t* xq = nullptr;
+  if (path.fast && is_quantized(w.type)) {
+    const std::size_t rb = quant::act_row_bytes(w.type, w.cols);
+    assert(path.xq.size() >= m * rb);
+    pool.parallel_for(m, [&](std::size_t b, std::size_t e, unsigned) {
+      for (std::size_t i = b; i < e; ++i) quant::quantize_act_row(w.type, x + i * w.cols, w.cols, path.xq.data() + i * rb);
+    });
+    xq = path.xq.data();
+  }
+#if PP_HAVE_AMX
+  if (amx::applies(w)) return matmul_amx<A>(pool, w, x, m, y);
+#endif
   constexpr std::size_t kGrain = 16;  // rows per task: whole row blocks
   const std::size_t n_tasks = (w.rows + kGrain - 1) / kGrain;
   pool.parallel_for(n_tasks, [&](std::size_t b, std::size_t e, unsigned) {
-    matmul_rows<A>(w, x, m, y, b * kGrain, std::min(e * kGrain, w.rows));
+    matmul_rows<A>(w, x, m, y, b * kGrain, std::min(e * kGrain, w.rows), xq);
   });
 }
 
-// One weight row widened to f32 (embedding lookup).
+// One weight row as f32 (embedding lookup; quantized rows are dequantized).
 inline void row_to_f32(const MatView& w, std::size_t r, float* out) {
   const uint8_t* p = w.row(r);
+  if (is_quantized(w.type)) return quant::dequantize_row(w.type, p, w.cols, out);
   for (std::size_t j = 0; j < w.cols; ++j) {
     switch (w.type) {
       case DType::F32: out[j] = reinterpret_cast<const float*>(p)[j]; break;
       case DType::F16: out[j] = f16_to_f32(reinterpret_cast<const uint16_t*>(p)[j]); break;
       case DType::BF16: out[j] = bf16_to_f32(reinterpret_cast<const uint16_t*>(p)[j]); break;
+      default: break;
     }
   }
 }

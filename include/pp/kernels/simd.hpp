@@ -236,19 +236,42 @@ struct Bytes256 {
   Bytes256 minus(int8_t k) const { return {_mm256_sub_epi8(v, m8(k))}; }
 };
 
+// 16 int16 lanes: the K-quants' scales and mins, Q8_K's bsums.
+struct Shorts256 {
+  __m256i v;
+  static Shorts256 load(const int16_t* p) { return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))}; }
+  // lanes 2j and 2j + 1 = m8[j]: one value per 32-group, for both of its 16-halves.
+  static Shorts256 pairs_u8(const uint8_t* m8) {
+    const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m8)));
+    return {_mm256_set_m128i(_mm_unpackhi_epi16(x, x), _mm_unpacklo_epi16(x, x))};
+  }
+  // lane g = s16[g], sign-extended.
+  static Shorts256 widen_i8(const int8_t* s16) {
+    return {_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s16)))};
+  }
+  // The multiplier of 32-group g in dot_us_scaled: lanes 0..7 = lane 2g, lanes 8..15 = lane 2g + 1.
+  Shorts256 group(int g) const {
+    const __m256i pair = _mm256_permutevar8x32_epi32(v, _mm256_set1_epi32(g));
+    return {_mm256_shuffle_epi8(pair, _mm256_set_epi64x(0x0302030203020302, 0x0302030203020302,
+                                                        0x0100010001000100, 0x0100010001000100))};
+  }
+};
+
 inline __m256i dot_us(__m256i acc, Bytes256 u, Bytes256 s, const xsimd::avx2&) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u.v, s.v), _mm256_set1_epi16(1)));
 }
-// acc + sc_lo * (products of elements 0..15) + sc_hi * (16..31), per 4-lane run.
-inline __m256i dot_us_scaled(__m256i acc, Bytes256 u, Bytes256 s, int16_t sc_lo, int16_t sc_hi, const xsimd::avx2&) {
-  const __m256i sc = _mm256_set_m128i(_mm_set1_epi16(sc_hi), _mm_set1_epi16(sc_lo));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u.v, s.v), sc));
+// Products of the group's elements 0..15 times sc's lanes 0..7, 16..31 times lanes 8..15 (see group()).
+inline __m256i dot_us_scaled(__m256i acc, Bytes256 u, Bytes256 s, Shorts256 sc, const xsimd::avx2&) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u.v, s.v), sc.v));
 }
+// Pairwise a * b of 16 int16 lanes, into the int32 lanes.
+inline __m256i madd(Shorts256 a, Shorts256 b, const xsimd::avx2&) { return _mm256_madd_epi16(a.v, b.v); }
 // Signed x signed through |w| * (s with w's sign).
 inline __m256i dot_ss(__m256i acc, Bytes256 w, Bytes256 s, const xsimd::avx2& a) {
   return dot_us(acc, {_mm256_abs_epi8(w.v)}, {_mm256_sign_epi8(s.v, w.v)}, a);
 }
 Bytes256 bytes32_of(const xsimd::avx2&);
+Shorts256 shorts16_of(const xsimd::avx2&);
 xsimd::fma3<xsimd::avx2> int_arch_of(const xsimd::avx2&);
 #endif
 
@@ -260,14 +283,15 @@ inline __m256i dot_us(__m256i acc, Bytes256 u, Bytes256 s, const xsimd::avx512f&
   return dot_us(acc, u, s, xsimd::avx2{});
 #endif
 }
-inline __m256i dot_us_scaled(__m256i acc, Bytes256 u, Bytes256 s, int16_t sc_lo, int16_t sc_hi,
-                             const xsimd::avx512f&) {
-  return dot_us_scaled(acc, u, s, sc_lo, sc_hi, xsimd::avx2{});
+inline __m256i dot_us_scaled(__m256i acc, Bytes256 u, Bytes256 s, Shorts256 sc, const xsimd::avx512f&) {
+  return dot_us_scaled(acc, u, s, sc, xsimd::avx2{});
 }
+inline __m256i madd(Shorts256 a, Shorts256 b, const xsimd::avx512f&) { return _mm256_madd_epi16(a.v, b.v); }
 inline __m256i dot_ss(__m256i acc, Bytes256 w, Bytes256 s, const xsimd::avx512f& a) {
   return dot_us(acc, {_mm256_abs_epi8(w.v)}, {_mm256_sign_epi8(s.v, w.v)}, a);
 }
 Bytes256 bytes32_of(const xsimd::avx512f&);
+Shorts256 shorts16_of(const xsimd::avx512f&);
 xsimd::fma3<xsimd::avx2> int_arch_of(const xsimd::avx512f&);
 #endif
 
@@ -317,27 +341,52 @@ struct Bytes128x2 {
   Bytes128x2 minus(int8_t k) const { return {_mm_sub_epi8(lo, m8(k)), _mm_sub_epi8(hi, m8(k))}; }
 };
 
-inline __m128i dot_us_scaled(__m128i acc, Bytes128x2 u, Bytes128x2 s, int16_t sc_lo, int16_t sc_hi,
-                             const xsimd::sse4_2&) {
-  const __m128i lo = _mm_madd_epi16(_mm_maddubs_epi16(u.lo, s.lo), _mm_set1_epi16(sc_lo));
-  const __m128i hi = _mm_madd_epi16(_mm_maddubs_epi16(u.hi, s.hi), _mm_set1_epi16(sc_hi));
+struct Shorts128x2 {
+  __m128i lo, hi;  // lanes 0..7, 8..15
+  static Shorts128x2 load(const int16_t* p) { return {Bytes128x2::ld(p), Bytes128x2::ld(p + 8)}; }
+  static Shorts128x2 pairs_u8(const uint8_t* m8) {
+    const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m8)));
+    return {_mm_unpacklo_epi16(x, x), _mm_unpackhi_epi16(x, x)};
+  }
+  static Shorts128x2 widen_i8(const int8_t* s16) {
+    const __m128i x = Bytes128x2::ld(s16);
+    return {_mm_cvtepi8_epi16(x), _mm_cvtepi8_epi16(_mm_srli_si128(x, 8))};
+  }
+  Shorts128x2 group(int g) const {
+    const __m128i half = g < 4 ? lo : hi;
+    const int16_t k = int16_t(0x0404 * (g % 4));
+    return {_mm_shuffle_epi8(half, _mm_set1_epi16(int16_t(0x0100 + k))),
+            _mm_shuffle_epi8(half, _mm_set1_epi16(int16_t(0x0302 + k)))};
+  }
+};
+
+inline __m128i dot_us_scaled(__m128i acc, Bytes128x2 u, Bytes128x2 s, Shorts128x2 sc, const xsimd::sse4_2&) {
+  const __m128i lo = _mm_madd_epi16(_mm_maddubs_epi16(u.lo, s.lo), sc.lo);
+  const __m128i hi = _mm_madd_epi16(_mm_maddubs_epi16(u.hi, s.hi), sc.hi);
   return _mm_add_epi32(acc, _mm_add_epi32(lo, hi));
 }
 inline __m128i dot_us(__m128i acc, Bytes128x2 u, Bytes128x2 s, const xsimd::sse4_2& a) {
   // Each half widened by its own pmaddwd (scale 1): adding int16 pairs first could saturate.
-  return dot_us_scaled(acc, u, s, 1, 1, a);
+  const __m128i one = _mm_set1_epi16(1);
+  return dot_us_scaled(acc, u, s, {one, one}, a);
+}
+inline __m128i madd(Shorts128x2 a, Shorts128x2 b, const xsimd::sse4_2&) {
+  return _mm_add_epi32(_mm_madd_epi16(a.lo, b.lo), _mm_madd_epi16(a.hi, b.hi));
 }
 inline __m128i dot_ss(__m128i acc, Bytes128x2 w, Bytes128x2 s, const xsimd::sse4_2& a) {
   return dot_us(acc, {_mm_abs_epi8(w.lo), _mm_abs_epi8(w.hi)}, {_mm_sign_epi8(s.lo, w.lo), _mm_sign_epi8(s.hi, w.hi)},
                 a);
 }
 Bytes128x2 bytes32_of(const xsimd::sse4_2&);
+Shorts128x2 shorts16_of(const xsimd::sse4_2&);
 xsimd::sse4_2 int_arch_of(const xsimd::sse4_2&);
 #endif
 
-// The 32-code group type of arch A and the arch of its int32 / float partial sums.
+// The 32-code group type of arch A, its 16 x int16 type, and the arch of its int32 / float partial sums.
 template <class A>
 using Bytes32 = decltype(bytes32_of(A{}));
+template <class A>
+using Shorts16 = decltype(shorts16_of(A{}));
 template <class A>
 using IntArch = decltype(int_arch_of(A{}));
 
@@ -351,8 +400,12 @@ inline ibatch<IntArch<A>> dot_ss(const ibatch<IntArch<A>>& acc, const Bytes32<A>
 }
 template <class A>
 inline ibatch<IntArch<A>> dot_us_scaled(const ibatch<IntArch<A>>& acc, const Bytes32<A>& u, const Bytes32<A>& s,
-                                        int16_t sc_lo, int16_t sc_hi) {
-  return dot_us_scaled(acc, u, s, sc_lo, sc_hi, A{});
+                                        const Shorts16<A>& sc) {
+  return dot_us_scaled(acc, u, s, sc, A{});
+}
+template <class A>
+inline ibatch<IntArch<A>> madd(const Shorts16<A>& a, const Shorts16<A>& b) {
+  return madd(a, b, A{});
 }
 
 }  // namespace pp::simd

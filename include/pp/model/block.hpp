@@ -11,28 +11,38 @@
 
 #include <cmath>
 #include <cstring>
+#include <span>
 
 namespace pp {
 
-// att[m, n_head, head_dim] for the chunk's rows at positions pos..pos+m-1. Positions below pos come from
-// the ring, the chunk's own from s.k / s.v (so a chunk never reads a slot it has itself overwritten).
-// Keys are visited in position order, so the result does not depend on where the ring wrapped.
-inline void attention(const Config& c, const KvCache& kv, std::size_t layer, int64_t pos, std::size_t m,
-                      Scratch& s, ThreadPool& pool) {
+// A run of consecutive rows of one sequence within a chunk: rows [row0, row0 + n) sit at positions
+// pos..pos+n-1 of the sequence whose cache is `kv`. A chunk holds one segment (a prefill or a decode
+// step) or several (sequences decoding together, so each weight is read once for all of them).
+struct Segment {
+  KvCache* kv;
+  int64_t pos;
+  std::size_t row0, n;
+};
+
+// att[m, n_head, head_dim] for the chunk's rows. A row attends to its own sequence: positions below its
+// segment's start come from that sequence's ring, the segment's own rows from s.k / s.v (so a chunk
+// never reads a slot it has itself overwritten). Keys are visited in position order, so the result
+// does not depend on where the ring wrapped or on the other rows of the chunk.
+inline void attention(const Config& c, std::span<const Segment> segs, std::size_t layer, std::size_t m, Scratch& s,
+                      ThreadPool& pool) {
   const std::size_t hd = c.head_dim, group = c.n_head / c.n_head_kv, kvd = c.kv_dim();
   const float scale = 1.0f / std::sqrt(float(hd));
   pool.parallel_for(m * c.n_head, [&](std::size_t b, std::size_t e, unsigned t) {
     float* w = s.scores.data() + std::size_t(t) * s.scores_stride;
     for (std::size_t task = b; task < e; ++task) {
       const std::size_t i = task / c.n_head, h = task % c.n_head, g = h / group;
-      const int64_t p = pos + int64_t(i), lo = kv.window_lo(p);
+      const Segment& seg = segs[s.row_seg[i]];
+      const KvCache& kv = *seg.kv;
+      const int64_t p = seg.pos + int64_t(i - seg.row0), lo = kv.window_lo(p);
       const float* q = s.q.data() + i * c.q_dim() + h * hd;
-      auto key = [&](int64_t j) {
-        return j < pos ? kv.k(layer, kv.slot(j)) + g * hd : s.k.data() + std::size_t(j - pos) * kvd + g * hd;
-      };
-      auto value = [&](int64_t j) {
-        return j < pos ? kv.v(layer, kv.slot(j)) + g * hd : s.v.data() + std::size_t(j - pos) * kvd + g * hd;
-      };
+      auto fresh = [&](int64_t j) { return (seg.row0 + std::size_t(j - seg.pos)) * kvd + g * hd; };
+      auto key = [&](int64_t j) { return j < seg.pos ? kv.k(layer, kv.slot(j)) + g * hd : s.k.data() + fresh(j); };
+      auto value = [&](int64_t j) { return j < seg.pos ? kv.v(layer, kv.slot(j)) + g * hd : s.v.data() + fresh(j); };
       const std::size_t n = std::size_t(p - lo + 1);
       for (std::size_t j = 0; j < n; ++j) w[j] = kernels::dot_f32(q, key(lo + int64_t(j)), hd) * scale;
       kernels::softmax(w, n);
@@ -43,36 +53,41 @@ inline void attention(const Config& c, const KvCache& kv, std::size_t layer, int
   });
 }
 
-// x[m, n_embd] (rows at positions pos..pos+m-1) through block `layer` (index within the stage's cache).
-// s.cos / s.sin hold the chunk's RoPE tables. Appends the chunk's keys and values to the ring.
-inline void block_forward(const Config& c, const llama::BlockTensors& w, KvCache& kv, std::size_t layer,
-                          int64_t pos, std::size_t m, float* x, Scratch& s, ThreadPool& pool) {
+// x[m, n_embd] (the chunk's rows, described by `segs`) through block `layer` (index within the stage's
+// caches). s.cos / s.sin hold each row's RoPE table, s.row_seg each row's segment. Appends every
+// segment's keys and values to its sequence's ring.
+// fast_quant: quantized weights take the fast path (int8 activations, see kernels/quant.hpp).
+inline void block_forward(const Config& c, const llama::BlockTensors& w, std::span<const Segment> segs,
+                          std::size_t layer, std::size_t m, float* x, Scratch& s, ThreadPool& pool,
+                          bool fast_quant = false) {
   const std::size_t E = c.n_embd, hp = c.head_dim / 2;
+  const kernels::QuantPath qp{fast_quant, s.xq.span()};
 
   // Attention: norm, project, rotate, attend, project back, residual.
   for (std::size_t i = 0; i < m; ++i) kernels::rmsnorm(x + i * E, w.attn_norm, c.rms_eps, E, s.xn.data() + i * E);
-  kernels::matmul(pool, w.wq, s.xn.data(), m, s.q.data());
-  kernels::matmul(pool, w.wk, s.xn.data(), m, s.k.data());
-  kernels::matmul(pool, w.wv, s.xn.data(), m, s.v.data());
+  kernels::matmul(pool, w.wq, s.xn.data(), m, s.q.data(), qp);
+  kernels::matmul(pool, w.wk, s.xn.data(), m, s.k.data(), qp);
+  kernels::matmul(pool, w.wv, s.xn.data(), m, s.v.data(), qp);
   for (std::size_t i = 0; i < m; ++i) {
     kernels::rope(s.q.data() + i * c.q_dim(), c.n_head, c.head_dim, s.cos.data() + i * hp, s.sin.data() + i * hp);
     kernels::rope(s.k.data() + i * c.kv_dim(), c.n_head_kv, c.head_dim, s.cos.data() + i * hp, s.sin.data() + i * hp);
   }
-  attention(c, kv, layer, pos, m, s, pool);
-  for (std::size_t i = 0; i < m; ++i) {
-    const std::size_t slot = kv.slot(pos + int64_t(i));
-    std::memcpy(kv.k(layer, slot), s.k.data() + i * c.kv_dim(), c.kv_dim() * sizeof(float));
-    std::memcpy(kv.v(layer, slot), s.v.data() + i * c.kv_dim(), c.kv_dim() * sizeof(float));
-  }
-  kernels::matmul(pool, w.wo, s.att.data(), m, s.proj.data());
+  attention(c, segs, layer, m, s, pool);
+  for (const Segment& seg : segs)
+    for (std::size_t i = 0; i < seg.n; ++i) {
+      const std::size_t slot = seg.kv->slot(seg.pos + int64_t(i)), row = seg.row0 + i;
+      std::memcpy(seg.kv->k(layer, slot), s.k.data() + row * c.kv_dim(), c.kv_dim() * sizeof(float));
+      std::memcpy(seg.kv->v(layer, slot), s.v.data() + row * c.kv_dim(), c.kv_dim() * sizeof(float));
+    }
+  kernels::matmul(pool, w.wo, s.att.data(), m, s.proj.data(), qp);
   for (std::size_t i = 0; i < m; ++i) kernels::add_inplace(x + i * E, s.proj.data() + i * E, E);
 
   // MLP: norm, SwiGLU, project back, residual.
   for (std::size_t i = 0; i < m; ++i) kernels::rmsnorm(x + i * E, w.ffn_norm, c.rms_eps, E, s.xn.data() + i * E);
-  kernels::matmul(pool, w.w_gate, s.xn.data(), m, s.gate.data());
-  kernels::matmul(pool, w.w_up, s.xn.data(), m, s.up.data());
+  kernels::matmul(pool, w.w_gate, s.xn.data(), m, s.gate.data(), qp);
+  kernels::matmul(pool, w.w_up, s.xn.data(), m, s.up.data(), qp);
   kernels::swiglu(s.gate.data(), s.up.data(), m * c.n_ff);
-  kernels::matmul(pool, w.w_down, s.gate.data(), m, s.proj.data());
+  kernels::matmul(pool, w.w_down, s.gate.data(), m, s.proj.data(), qp);
   for (std::size_t i = 0; i < m; ++i) kernels::add_inplace(x + i * E, s.proj.data() + i * E, E);
 }
 

@@ -56,6 +56,9 @@ class Channel {
     }
   }
 
+  // Reads exactly buf.size() bytes into memory the caller sized after checking the header.
+  void read_into(std::span<uint8_t> buf, std::string_view what) { read_exact(fd_, buf, timeouts_.io, who_, what); }
+
   // Reads and drops an n-byte payload without holding it.
   void discard_payload(uint32_t n) {
     std::array<uint8_t, 16384> sink;
@@ -78,6 +81,15 @@ class Channel {
     write_all(fd_, head, timeouts_.io, who_, "frame header", !payload.empty());
     write_all(fd_, payload, timeouts_.io, who_, "frame payload");
   }
+
+  // Sends an already-encoded header (any version) and its payload, in one segment where possible.
+  void send_encoded(std::span<const uint8_t> head, std::span<const uint8_t> payload) {
+    write_all(fd_, head, timeouts_.io, who_, "frame header", !payload.empty());
+    write_all(fd_, payload, timeouts_.io, who_, "frame payload");
+  }
+
+  void set_timeouts(Timeouts t) { timeouts_ = t; }
+  void set_who(std::string who) { who_ = std::move(who); }
 
   // Answers the frame `about` with an ERR of the same seq and layer range, in `version`.
   void send_err(const FrameHeader& about, std::string_view message, uint8_t version = kVersionPlaceholder) {

@@ -1,0 +1,146 @@
+// PCPL version-2 frames (real model): the common 24-byte header plus a 24-byte extension, and their bounds.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "pp/core/error.hpp"
+#include "pp/net/frame.hpp"
+
+namespace pp::net {
+
+// Wire layout (network byte order), docs/PROTOCOL-TCP.md "Version 2":
+//   0..23  the common header (frame.hpp) with version 2
+//   24 session u64 | 32 pos u64 | 40 rows u32 | 44 dtype u8 | 45 flags u8 | 46 reserved u16 | 48 payload
+inline constexpr std::size_t kModelExtBytes = 24;
+inline constexpr std::size_t kModelHeaderBytes = kFrameHeaderBytes + kModelExtBytes;
+
+// Version-2 frame types beyond FWD / RES / ERR (frame.hpp), which keep their numbers.
+inline constexpr uint8_t kTypeHello = 3;    // handshake request: text payload (handshake.hpp)
+inline constexpr uint8_t kTypeWelcome = 4;  // handshake accepted: text payload
+inline constexpr uint8_t kTypeStatus = 5;   // request: empty payload; reply: text payload
+
+// Residual element types on the wire. Only f32 exists: the residual crosses a cut unrounded, which is
+// what makes a distributed run bit-identical to one process.
+inline constexpr uint8_t kDTypeF32 = 0;
+
+// FWD flags: what the last stage returns with the sampled token (RES payload, in this order).
+inline constexpr uint8_t kFlagDigest = 1;  // SHA-256 of the sampled position's f32 logits (32 bytes)
+inline constexpr uint8_t kFlagLogits = 2;  // the f32 logits themselves ([n_vocab] little-endian)
+inline constexpr uint8_t kKnownFlags = kFlagDigest | kFlagLogits;
+
+// Handshake texts and STATUS replies are small; anything larger is refused before it is read.
+inline constexpr uint32_t kMaxTextPayload = 64u << 10;
+
+struct ModelHeader {
+  uint8_t type = kTypeFwd;
+  uint32_t seq = 0;
+  uint32_t layer_lo = 0;  // the receiver's range (FWD), echoed in the reply
+  uint32_t layer_hi = 0;
+  uint32_t payload_bytes = 0;
+  uint64_t session = 0;  // chosen by the coordinator, the same on every hop of a chain
+  uint64_t pos = 0;      // absolute position of the first row
+  uint32_t rows = 0;     // rows of the residual in the payload ([rows, hidden])
+  uint8_t dtype = kDTypeF32;
+  uint8_t flags = 0;
+};
+
+inline std::string model_type_name(uint8_t type) {
+  switch (type) {
+    case kTypeHello: return "HELLO";
+    case kTypeWelcome: return "WELCOME";
+    case kTypeStatus: return "STATUS";
+    default: return frame_type_name(type);
+  }
+}
+
+inline std::array<uint8_t, kModelHeaderBytes> encode_model_header(const ModelHeader& m) {
+  FrameHeader h;
+  h.version = kVersionModel;
+  h.type = m.type;
+  h.seq = m.seq;
+  h.layer_lo = m.layer_lo;
+  h.layer_hi = m.layer_hi;
+  h.payload_bytes = m.payload_bytes;
+  const auto common = encode_header(h);
+  std::array<uint8_t, kModelHeaderBytes> out{};
+  for (std::size_t i = 0; i < common.size(); ++i) out[i] = common[i];
+  uint8_t* e = out.data() + kFrameHeaderBytes;
+  detail::put_be32(e + 0, static_cast<uint32_t>(m.session >> 32));
+  detail::put_be32(e + 4, static_cast<uint32_t>(m.session));
+  detail::put_be32(e + 8, static_cast<uint32_t>(m.pos >> 32));
+  detail::put_be32(e + 12, static_cast<uint32_t>(m.pos));
+  detail::put_be32(e + 16, m.rows);
+  e[20] = m.dtype;
+  e[21] = m.flags;
+  detail::put_be16(e + 22, 0);
+  return out;
+}
+
+// The version-2 header from its already-decoded common part and the 24 extension bytes after it.
+inline ModelHeader decode_model_header(const FrameHeader& h, std::span<const uint8_t> ext) {
+  if (ext.size() < kModelExtBytes)
+    throw FrameError("version-2 extension: " + std::to_string(ext.size()) + " bytes < " +
+                     std::to_string(kModelExtBytes));
+  ModelHeader m;
+  m.type = h.type;
+  m.seq = h.seq;
+  m.layer_lo = h.layer_lo;
+  m.layer_hi = h.layer_hi;
+  m.payload_bytes = h.payload_bytes;
+  m.session = (uint64_t{detail::get_be32(&ext[0])} << 32) | detail::get_be32(&ext[4]);
+  m.pos = (uint64_t{detail::get_be32(&ext[8])} << 32) | detail::get_be32(&ext[12]);
+  m.rows = detail::get_be32(&ext[16]);
+  m.dtype = ext[20];
+  m.flags = ext[21];
+  return m;
+}
+
+// What a version-2 receiver knows before it reads a payload: the geometry fixes every size.
+struct ModelGeometry {
+  uint32_t n_embd = 0;   // residual width
+  uint32_t n_vocab = 0;
+  uint32_t ctx = 0;      // KV capacity: the most rows one FWD may carry
+};
+
+// Bytes of a FWD payload of `rows` rows. rows is a u32 and n_embd at most 2^17, so the product cannot
+// overflow 64 bits; the caller compares it with the u32 payload_bytes before allocating anything.
+inline uint64_t fwd_payload_bytes(uint64_t rows, uint32_t n_embd) { return rows * n_embd * 4; }
+
+// Bytes of a RES payload for these flags: token (i32), then the digest, then the logits.
+inline uint64_t res_payload_bytes(uint8_t flags, uint32_t n_vocab) {
+  return 4 + ((flags & kFlagDigest) ? 32 : 0) + ((flags & kFlagLogits) ? uint64_t{n_vocab} * 4 : 0);
+}
+
+// The checks a version-2 FWD must pass before its payload is read or memory is reserved for it.
+// `range` is the receiver's assigned [lo, hi), `session` its session id.
+inline void check_fwd_v2(const ModelHeader& m, const ModelGeometry& g, uint32_t lo, uint32_t hi,
+                         uint64_t session) {
+  const std::string where = "FWD seq " + std::to_string(m.seq) + ": ";
+  if (m.session != session)
+    throw FrameError(where + "session " + std::to_string(m.session) + " != this connection's session " +
+                     std::to_string(session));
+  if (m.layer_lo != lo || m.layer_hi != hi)
+    throw FrameError(where + "layers [" + std::to_string(m.layer_lo) + ", " + std::to_string(m.layer_hi) +
+                     ") != the range assigned in the handshake [" + std::to_string(lo) + ", " +
+                     std::to_string(hi) + ")");
+  if (m.dtype != kDTypeF32)
+    throw FrameError(where + "dtype " + std::to_string(m.dtype) + " is not f32 (0), the only residual dtype");
+  if (m.flags & ~kKnownFlags)
+    throw FrameError(where + "flags 0x" + std::to_string(m.flags) + " has unknown bits (known: 1 digest, 2 logits)");
+  if (m.rows == 0 || m.rows > g.ctx)
+    throw FrameError(where + "rows " + std::to_string(m.rows) + " outside [1, " + std::to_string(g.ctx) +
+                     "] (the KV capacity)");
+  if (m.pos > (uint64_t{1} << 40))
+    throw FrameError(where + "pos " + std::to_string(m.pos) + " > limit 2^40");
+  const uint64_t want = fwd_payload_bytes(m.rows, g.n_embd);
+  if (m.payload_bytes != want)
+    throw FrameError(where + "payload_bytes " + std::to_string(m.payload_bytes) + " != rows " +
+                     std::to_string(m.rows) + " x hidden " + std::to_string(g.n_embd) + " x 4 = " +
+                     std::to_string(want));
+}
+
+}  // namespace pp::net

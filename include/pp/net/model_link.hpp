@@ -1,0 +1,227 @@
+// Version-2 I/O on a Channel, and ModelLink: one end's connection to the next worker of a chain.
+//
+// The coordinator's connection to the first worker and each worker's connection to its next hop are
+// the same thing: send HELLO and read WELCOME, then send FWD and read the RES it causes. Every error
+// names the hop ("worker 10.0.0.2:52100 (stage 2, layers [8, 16))") and what happened.
+#pragma once
+
+#include <bit>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "pp/core/error.hpp"
+#include "pp/core/sha256.hpp"
+#include "pp/net/channel.hpp"
+#include "pp/net/frame.hpp"
+#include "pp/net/handshake.hpp"
+#include "pp/net/model_frame.hpp"
+#include "pp/net/socket.hpp"
+
+namespace pp::net {
+
+// Residual rows and logits go on the wire as the host's f32 bytes; the wire is little-endian.
+static_assert(std::endian::native == std::endian::little, "pp_node sends f32 as host bytes: little-endian only");
+
+// ---- frames on a channel ----
+
+// The 24 extension bytes that follow a version-2 common header.
+inline ModelHeader read_extension(Channel& ch, const FrameHeader& h) {
+  std::array<uint8_t, kModelExtBytes> ext;
+  ch.read_into(ext, "version-2 header extension");
+  return decode_model_header(h, ext);
+}
+
+inline void send_model(Channel& ch, ModelHeader h, std::span<const uint8_t> payload) {
+  h.payload_bytes = static_cast<uint32_t>(payload.size());
+  const auto head = encode_model_header(h);
+  ch.send_encoded(head, payload);
+}
+
+inline void send_model_err(Channel& ch, const ModelHeader& about, std::string_view message) {
+  ModelHeader h = about;
+  h.type = kTypeErr;
+  const std::string_view text = message.substr(0, kMaxErrMessageBytes);
+  send_model(ch, h, std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+}
+
+inline void send_model_text(Channel& ch, ModelHeader h, std::string_view text) {
+  send_model(ch, h, std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+}
+
+// A text payload (HELLO, WELCOME, STATUS, ERR), refused before reading when it is over the limit.
+inline std::string read_text(Channel& ch, uint32_t payload_bytes, const std::string& what) {
+  if (payload_bytes > kMaxTextPayload)
+    throw FrameError(what + " from " + ch.who() + ": payload_bytes " + std::to_string(payload_bytes) +
+                     " > limit " + std::to_string(kMaxTextPayload));
+  std::string s(payload_bytes, '\0');
+  ch.read_into(std::span(reinterpret_cast<uint8_t*>(s.data()), s.size()), "frame payload");
+  return s;
+}
+
+// ---- the RES payload: token, then the digest, then the logits, as the FWD's flags asked ----
+
+struct StepReply {
+  int32_t token = 0;
+  std::optional<Sha256Digest> digest;
+  std::vector<float> logits;  // [n_vocab] when kFlagLogits
+};
+
+inline std::span<const uint8_t> f32_bytes(std::span<const float> v) {
+  return {reinterpret_cast<const uint8_t*>(v.data()), v.size() * sizeof(float)};
+}
+
+// What verification compares: SHA-256 of a position's [n_vocab] f32 logits as little-endian bytes.
+inline Sha256Digest logits_digest(std::span<const float> logits) { return sha256(f32_bytes(logits)); }
+
+// logits: the sampled position's [n_vocab] f32 logits. Sized once, then filled (GCC 12 warns falsely
+// about vector::insert growing a 4-byte vector).
+inline std::vector<uint8_t> encode_res(int32_t token, uint8_t flags, std::span<const float> logits) {
+  const std::span<const uint8_t> raw = f32_bytes(logits);
+  std::vector<uint8_t> out(4 + ((flags & kFlagDigest) ? 32 : 0) + ((flags & kFlagLogits) ? raw.size() : 0));
+  std::memcpy(out.data(), &token, 4);
+  std::size_t off = 4;
+  if (flags & kFlagDigest) {
+    const Sha256Digest d = sha256(raw);
+    std::memcpy(out.data() + off, d.data(), d.size());
+    off += d.size();
+  }
+  if (flags & kFlagLogits) std::memcpy(out.data() + off, raw.data(), raw.size());
+  return out;
+}
+
+// The payload's size was checked against res_payload_bytes(flags, n_vocab) before it was read.
+inline StepReply decode_res(std::span<const uint8_t> p, uint8_t flags, uint32_t n_vocab) {
+  StepReply r;
+  std::memcpy(&r.token, p.data(), 4);
+  std::size_t off = 4;
+  if (flags & kFlagDigest) {
+    Sha256Digest d;
+    std::memcpy(d.data(), p.data() + off, d.size());
+    r.digest = d;
+    off += d.size();
+  }
+  if (flags & kFlagLogits) {
+    r.logits.resize(n_vocab);
+    std::memcpy(r.logits.data(), p.data() + off, std::size_t{n_vocab} * 4);
+  }
+  return r;
+}
+
+// ---- the link to the next hop ----
+
+inline std::string hop_name(const Hop& hop, uint32_t stage) {
+  return "worker " + hop.peer.str() + " (stage " + std::to_string(stage) + ", layers [" +
+         std::to_string(hop.range.lo) + ", " + std::to_string(hop.range.hi) + "))";
+}
+
+class ModelLink {
+ public:
+  // Connects within timeouts.io. `reply_wait` bounds the wait for each reply's first byte: it covers
+  // the compute of every stage below, so upstream ends wait longer than the hop nearest a fault.
+  ModelLink(const Hop& hop, uint32_t stage, Timeouts timeouts, Millis reply_wait)
+      : hop_(hop), stage_(stage), io_(timeouts.io), reply_wait_(reply_wait),
+        who_(hop_name(hop, stage)),
+        ch_(connect_tcp(hop.peer, timeouts.io, who_), hop.peer, "worker", Timeouts{io_, reply_wait}) {
+    ch_.set_who(who_);  // socket errors then name the stage too
+  }
+
+  const std::string& who() const { return who_; }
+  const Hop& hop() const { return hop_; }
+  uint32_t stage() const { return stage_; }
+  uint64_t bytes_sent() const { return sent_; }
+  uint64_t bytes_received() const { return received_; }
+
+  // Sends HELLO; a worker connects to its own next hop and loads its stage before answering, so the
+  // answer may take `wait` (stage loading), not just a round trip.
+  void send_hello(const Hello& hello, uint64_t session) {
+    ModelHeader h;
+    h.type = kTypeHello;
+    h.session = session;
+    h.layer_lo = static_cast<uint32_t>(hello.chain.front().range.lo);
+    h.layer_hi = static_cast<uint32_t>(hello.chain.front().range.hi);
+    const std::string text = encode_hello(hello);
+    send_model_text(ch_, h, text);
+    sent_ += kModelHeaderBytes + text.size();
+  }
+
+  Welcome read_welcome(Millis wait) {
+    ch_.set_timeouts(Timeouts{io_, wait});
+    const ModelHeader h = read_reply_header("HELLO");
+    ch_.set_timeouts(Timeouts{io_, reply_wait_});
+    if (h.type != kTypeWelcome)
+      throw FrameError(who_ + " answered HELLO with " + model_type_name(h.type) + " (expected WELCOME)");
+    const std::string text = read_text(ch_, h.payload_bytes, "WELCOME");
+    received_ += text.size();
+    try {
+      return decode_welcome(text);
+    } catch (const HandshakeError& e) {
+      throw Error(who_ + ": malformed WELCOME: " + e.what());
+    }
+  }
+
+  void send_fwd(const ModelHeader& fwd, std::span<const uint8_t> rows) {
+    send_model(ch_, fwd, rows);
+    sent_ += kModelHeaderBytes + rows.size();
+  }
+
+  // The RES answering `fwd`, its payload (of exactly the size the flags fix) into `out`.
+  void read_res(const ModelHeader& fwd, uint32_t n_vocab, std::vector<uint8_t>& out) {
+    const ModelHeader h = read_reply_header("FWD seq " + std::to_string(fwd.seq));
+    if (h.type != kTypeRes || h.seq != fwd.seq || h.session != fwd.session)
+      throw FrameError("unexpected reply from " + who_ + ": " + model_type_name(h.type) + " seq " +
+                       std::to_string(h.seq) + " session " + std::to_string(h.session) + " (expected RES seq " +
+                       std::to_string(fwd.seq) + " session " + std::to_string(fwd.session) + ")");
+    const uint64_t want = res_payload_bytes(fwd.flags, n_vocab);
+    if (h.payload_bytes != want)
+      throw FrameError("RES seq " + std::to_string(h.seq) + " from " + who_ + ": payload_bytes " +
+                       std::to_string(h.payload_bytes) + " != " + std::to_string(want) +
+                       " (token, digest and logits as the FWD's flags ask)");
+    out.resize(h.payload_bytes);
+    ch_.read_into(out, "RES payload");
+    received_ += out.size();
+  }
+
+ private:
+  // A header of a reply: version 2 (its extension read), or an ERR turned into an exception with the
+  // peer's text. A version-1 ERR is what a placeholder worker answers a version-2 frame with.
+  ModelHeader read_reply_header(const std::string& answering) {
+    std::optional<FrameHeader> h;
+    try {
+      h = ch_.read_header();
+    } catch (const FrameError& e) {  // bad magic: garbage from the peer
+      throw Error(who_ + ": " + e.what() + " (garbage instead of a reply to " + answering + ")");
+    }
+    if (!h)
+      throw NetError(NetError::Kind::closed, who_ + ": closed the connection before answering " + answering);
+    received_ += kFrameHeaderBytes;
+    if (h->version == kVersionPlaceholder && h->type == kTypeErr) {
+      const std::string text = read_text(ch_, h->payload_bytes, "ERR");
+      throw HandshakeError(who_ + " speaks version 1 (a placeholder worker, started without --model): " + text);
+    }
+    if (h->version != kVersionModel)
+      throw FrameError(who_ + ": answered with version " + std::to_string(h->version) + " (expected " +
+                       std::to_string(kVersionModel) + ")");
+    const ModelHeader m = read_extension(ch_, *h);
+    received_ += kModelExtBytes;
+    if (m.type == kTypeErr) {
+      const std::string text = read_text(ch_, m.payload_bytes, "ERR");
+      throw Error(who_ + " reports: " + text);
+    }
+    return m;
+  }
+
+  Hop hop_;
+  uint32_t stage_;
+  Millis io_, reply_wait_;
+  std::string who_;
+  Channel ch_;
+  uint64_t sent_ = 0, received_ = 0;
+};
+
+}  // namespace pp::net

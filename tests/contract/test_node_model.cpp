@@ -1,0 +1,997 @@
+// pp_node real mode (tcp-node.md, issue 5): chains of real processes on loopback against the in-process reference, handshake refusals, faults.
+//
+// Suites: the tests named Fault* run under meson's 'fault' suite, the rest under 'contract'.
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <random>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "../../tools/common/synth.hpp"
+#include "../common/fixtures.hpp"
+#include "../common/node_process.hpp"
+#include "pp/core/sha256.hpp"
+#include "pp/io/gguf.hpp"
+#include "pp/io/llama_loader.hpp"
+#include "pp/io/mmap.hpp"
+#include "pp/model/local_pipeline.hpp"
+#include "pp/net/handshake.hpp"
+#include "pp/net/model_frame.hpp"
+#include "pp/net/model_link.hpp"
+#include "pp/text/sampler.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+using pp::test::Clock;
+using pp::test::Millis;
+using pp::test::Process;
+using pp::test::RawSocket;
+using pp::test::RunResult;
+
+// ---------------------------------------------------------------- models
+
+std::string node_bin() {
+  const char* p = std::getenv("PP_NODE_BIN");
+  return p ? p : "";
+}
+std::string generate_bin() {
+  const char* p = std::getenv("PP_GENERATE_BIN");
+  return p ? p : "";
+}
+
+std::string golden(const std::string& dtype) {
+  return (pp::test::data_dir() / "golden-tiny" / ("golden-tiny-" + dtype + ".gguf")).string();
+}
+
+// Synthetic models written once per test process into its own temporary directory.
+struct SynthModels {
+  fs::path dir;
+  std::string mid;  // hidden 128, 8 layers: the "larger" model of the equality tests
+  std::string big;  // hidden 256, 8 layers: slow enough per token to kill a worker mid-generation
+  SynthModels() {
+    char tmpl[] = "/tmp/pp_node_model_test.XXXXXX";
+    dir = mkdtemp(tmpl);
+    pp::synth::Spec s;
+    s.n_vocab = 512, s.n_embd = 128, s.n_layer = 8, s.n_head = 4, s.n_head_kv = 2, s.n_ff = 384, s.ctx = 4096;
+    s.seed = 11, s.name = "pp-synth-node-mid";
+    mid = (dir / "synth-mid.gguf").string();
+    pp::synth::write(s, mid);
+    s.n_embd = 256, s.n_head = 8, s.n_head_kv = 4, s.n_ff = 768, s.seed = 12, s.name = "pp-synth-node-big";
+    big = (dir / "synth-big.gguf").string();
+    pp::synth::write(s, big);
+  }
+  ~SynthModels() {
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+  }
+};
+
+const SynthModels& synth() {
+  static SynthModels m;
+  return m;
+}
+
+// ---------------------------------------------------------------- processes
+
+std::vector<std::string> node(std::initializer_list<std::string> args) {
+  std::vector<std::string> v{node_bin()};
+  v.insert(v.end(), args);
+  return v;
+}
+
+RunResult run(const std::vector<std::string>& argv, Millis timeout = 25s) {
+  RunResult r = pp::test::run_process(argv, timeout);
+  if (r.timed_out) ADD_FAILURE() << argv[0] << " did not finish within " << timeout.count() << " ms; killed";
+  return r;
+}
+
+struct Worker {
+  std::unique_ptr<Process> proc;
+  uint16_t port = 0;
+  std::string addr() const { return "127.0.0.1:" + std::to_string(port); }
+};
+
+// A model worker on an ephemeral loopback port, learnt from its listening line.
+std::optional<Worker> start_worker(const std::string& model, const std::vector<std::string>& extra = {}) {
+  std::vector<std::string> argv = {node_bin(), "--worker", "--model", model, "--host", "127.0.0.1", "--port", "0",
+                                   "--threads", "1"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  Worker w{std::make_unique<Process>(argv), 0};
+  if (!w.proc->started() || !w.proc->wait_output("  (Ctrl-C to stop)", 10s)) {
+    ADD_FAILURE() << "worker did not start; stdout: " << w.proc->out() << " stderr: " << w.proc->err();
+    return std::nullopt;
+  }
+  std::smatch m;
+  const std::string out = w.proc->out();
+  if (!std::regex_search(out, m, std::regex("listening on 127\\.0\\.0\\.1:(\\d+)  \\(Ctrl-C to stop\\)"))) {
+    ADD_FAILURE() << "no listening line in: " << out;
+    return std::nullopt;
+  }
+  w.port = static_cast<uint16_t>(std::stoi(m[1]));
+  return w;
+}
+
+std::vector<Worker> start_workers(const std::string& model, std::size_t n) {
+  std::vector<Worker> ws;
+  for (std::size_t i = 0; i < n; ++i) {
+    auto w = start_worker(model);
+    if (!w) return {};
+    ws.push_back(std::move(*w));
+  }
+  return ws;
+}
+
+std::string chain_of(const std::vector<Worker>& ws) {
+  std::string s;
+  for (const auto& w : ws) {
+    if (!s.empty()) s += ',';
+    s += w.addr();
+  }
+  return s;
+}
+
+std::string join(const std::vector<int>& v) {
+  std::string s;
+  for (int x : v) {
+    if (!s.empty()) s += ',';
+    s += std::to_string(x);
+  }
+  return s;
+}
+
+std::vector<int32_t> tokens_line(const std::string& out) {
+  std::smatch m;
+  std::vector<int32_t> t;
+  if (!std::regex_search(out, m, std::regex("\n  tokens:([ 0-9]*)\n"))) return t;
+  std::stringstream ss(m[1].str());
+  int32_t x;
+  while (ss >> x) t.push_back(x);
+  return t;
+}
+
+std::vector<float> read_f32(const std::string& path) {
+  const std::string b = pp::test::read_text_file(path);
+  std::vector<float> v(b.size() / 4);
+  std::memcpy(v.data(), b.data(), v.size() * 4);
+  return v;
+}
+
+const std::regex kRoundTripLine(R"((\d+) tokens  round-trip ms: min \d+\.\d  p50 \d+\.\d  p99 \d+\.\d  max \d+\.\d\n)");
+
+void expect_passed(const RunResult& r, std::size_t tokens, std::size_t verified) {
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.out, m, kRoundTripLine)) << r.out;
+  EXPECT_EQ(m[1], std::to_string(tokens));
+  const std::string passed = "byte-identity: " + std::to_string(verified) + "/" + std::to_string(verified) +
+                             " IDENTICAL  == pipeline split PASSED ==\n";
+  EXPECT_NE(r.out.find(passed), std::string::npos) << r.out;
+}
+
+// ---------------------------------------------------------------- the single-process reference
+
+struct Reference {
+  std::vector<int32_t> tokens;
+  std::vector<float> logits;  // [tokens, n_vocab] of every sampled position
+};
+
+// pp_generate's loop over pp::LocalPipeline: prompt, then one token at a time, never stopping early.
+Reference reference(const std::string& model, const std::vector<int>& cuts, const std::vector<int32_t>& prompt,
+                    std::size_t n, const pp::SamplingParams& sp = {}, unsigned threads = 1) {
+  pp::LocalPipeline pipe(model, cuts, pp::WireDType::F32, {.threads = threads});
+  const std::size_t V = pipe.config().n_vocab;
+  Reference r;
+  std::vector<float> step(V);
+  pp::Sampler sampler;
+  pipe.run(prompt, 0, step.data(), 1);
+  for (std::size_t i = 0; i < n; ++i) {
+    if (i > 0) pipe.run({&r.tokens.back(), 1}, int64_t(prompt.size() + i - 1), step.data(), 1);
+    r.logits.insert(r.logits.end(), step.begin(), step.end());
+    r.tokens.push_back(sampler.sample(step, sp, int64_t(prompt.size() + i)));
+  }
+  return r;
+}
+
+// ---------------------------------------------------------------- a raw version-2 client
+
+struct V2Frame {
+  uint8_t version = 0;
+  pp::net::ModelHeader m;
+  std::vector<uint8_t> payload;
+  std::string text() const { return std::string(payload.begin(), payload.end()); }
+};
+
+class V2Client : public RawSocket {
+ public:
+  using RawSocket::RawSocket;
+
+  bool send_frame(pp::net::ModelHeader h, const std::vector<uint8_t>& payload) {
+    h.payload_bytes = static_cast<uint32_t>(payload.size());
+    const auto head = pp::net::encode_model_header(h);
+    std::vector<uint8_t> b(head.begin(), head.end());
+    b.insert(b.end(), payload.begin(), payload.end());
+    return send(b);
+  }
+  bool send_text(uint8_t type, uint64_t session, const std::string& text) {
+    pp::net::ModelHeader h;
+    h.type = type;
+    h.session = session;
+    return send_frame(h, std::vector<uint8_t>(text.begin(), text.end()));
+  }
+
+  // A version-1 or version-2 frame (the header's version says which layout follows).
+  std::optional<V2Frame> read_frame(Millis timeout = 5s) {
+    const auto head = read_n(24, timeout);
+    if (!head) return std::nullopt;
+    const pp::net::FrameHeader h = pp::net::decode_header(*head);
+    V2Frame f;
+    f.version = h.version;
+    if (h.version == 2) {
+      const auto ext = read_n(24, timeout);
+      if (!ext) return std::nullopt;
+      f.m = pp::net::decode_model_header(h, *ext);
+    } else {
+      f.m.type = h.type;
+      f.m.seq = h.seq;
+      f.m.payload_bytes = h.payload_bytes;
+    }
+    if (f.m.payload_bytes > (64u << 20)) return std::nullopt;
+    if (f.m.payload_bytes) {
+      auto p = read_n(f.m.payload_bytes, timeout);
+      if (!p) return std::nullopt;
+      f.payload = std::move(*p);
+    }
+    return f;
+  }
+
+  // STATUS as key -> value.
+  std::map<std::string, std::string> status() {
+    std::map<std::string, std::string> kv;
+    if (!send_text(pp::net::kTypeStatus, 0, "")) return kv;
+    const auto f = read_frame();
+    if (!f || f->m.type != pp::net::kTypeStatus) return kv;
+    std::stringstream ss(f->text());
+    std::string line;
+    while (std::getline(ss, line)) {
+      const auto eq = line.find('=');
+      if (eq != std::string::npos) kv[line.substr(0, eq)] = line.substr(eq + 1);
+    }
+    return kv;
+  }
+};
+
+pp::net::ModelIdentity identity_of(const std::string& model) {
+  pp::MappedFile f(model);
+  const pp::gguf::File g = pp::gguf::parse(f.bytes());
+  return pp::net::identify_model(f.bytes(), g, pp::llama::read_config(g), model);
+}
+
+// A HELLO for a single worker at `port` running [lo, hi), coming from a sender whose layers end at `from`.
+pp::net::Hello hello_for(const std::string& model, uint16_t port, int lo, int hi, uint32_t from) {
+  pp::net::Hello h;
+  h.model = identity_of(model);
+  h.ctx = 256;
+  h.from = from;
+  h.stage = 1;
+  h.chain.push_back(pp::net::Hop{pp::LayerRange{lo, hi}, pp::net::Peer{"127.0.0.1", port}});
+  return h;
+}
+
+// HELLO on `c` and its answer.
+std::optional<V2Frame> handshake(V2Client& c, const pp::net::Hello& h, uint64_t session = 42) {
+  if (!c.send_text(pp::net::kTypeHello, session, pp::net::encode_hello(h))) return std::nullopt;
+  return c.read_frame(10s);
+}
+
+std::size_t active_sessions(uint16_t port) {
+  V2Client c(port);
+  const auto kv = c.status();
+  const auto it = kv.find("sessions_active");
+  return it == kv.end() ? SIZE_MAX : std::stoul(it->second);
+}
+
+bool wait_sessions(uint16_t port, std::size_t want, Millis timeout) {
+  const auto deadline = Clock::now() + timeout;
+  while (active_sessions(port) != want) {
+    if (Clock::now() > deadline) return false;
+    std::this_thread::sleep_for(20ms);
+  }
+  return true;
+}
+
+// ================================================================ frame and handshake units
+
+TEST(ModelFrame, HeaderLayoutIsTheDocumentedOne) {
+  pp::net::ModelHeader h;
+  h.type = pp::net::kTypeFwd;
+  h.seq = 0x01020304;
+  h.layer_lo = 8;
+  h.layer_hi = 16;
+  h.payload_bytes = 8192;
+  h.session = 0x1122334455667788ull;
+  h.pos = 0x0000000100000002ull;
+  h.rows = 3;
+  h.flags = pp::net::kFlagDigest;
+  const auto b = pp::net::encode_model_header(h);
+  const std::vector<uint8_t> want = {'P', 'C', 'P', 'L', 2, 1, 0, 0, 1, 2, 3, 4, 0, 0, 0, 8, 0, 0, 0, 16, 0, 0, 0x20, 0,
+                                     0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88, 0, 0, 0, 1, 0, 0, 0, 2,
+                                     0, 0, 0, 3, 0, 1, 0, 0};
+  EXPECT_EQ(std::vector<uint8_t>(b.begin(), b.end()), want);
+  const auto back = pp::net::decode_model_header(pp::net::decode_header(b), std::span(b).subspan(24));
+  EXPECT_EQ(back.session, h.session);
+  EXPECT_EQ(back.pos, h.pos);
+  EXPECT_EQ(back.rows, h.rows);
+  EXPECT_EQ(back.flags, h.flags);
+  EXPECT_EQ(back.seq, h.seq);
+}
+
+TEST(ModelFrame, FwdBoundsEachRejection) {
+  const pp::net::ModelGeometry g{64, 512, 128};
+  pp::net::ModelHeader ok;
+  ok.type = pp::net::kTypeFwd, ok.session = 9, ok.layer_lo = 2, ok.layer_hi = 4, ok.rows = 2, ok.payload_bytes = 2 * 64 * 4;
+  EXPECT_NO_THROW(pp::net::check_fwd_v2(ok, g, 2, 4, 9));
+  auto refused = [&](auto mutate, const std::string& needle) {
+    pp::net::ModelHeader m = ok;
+    mutate(m);
+    try {
+      pp::net::check_fwd_v2(m, g, 2, 4, 9);
+      ADD_FAILURE() << "accepted; expected: " << needle;
+    } catch (const pp::FrameError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  refused([](auto& m) { m.session = 8; }, "session 8 != this connection's session 9");
+  refused([](auto& m) { m.layer_lo = 1; }, "layers [1, 4) != the range assigned in the handshake [2, 4)");
+  refused([](auto& m) { m.dtype = 1; }, "dtype 1 is not f32");
+  refused([](auto& m) { m.flags = 4; }, "unknown bits");
+  refused([](auto& m) { m.rows = 0; }, "rows 0 outside [1, 128]");
+  refused([](auto& m) { m.rows = 129, m.payload_bytes = 129 * 256; }, "rows 129 outside [1, 128]");
+  refused([](auto& m) { m.payload_bytes = 0xFFFFFFFFu; }, "payload_bytes 4294967295 != rows 2 x hidden 64 x 4 = 512");
+  refused([](auto& m) { m.pos = ~uint64_t{0}; }, "pos 18446744073709551615 > limit");
+}
+
+TEST(Handshake, FingerprintIsTheHeaderAndDirectoryOnly) {
+  const auto f32 = identity_of(golden("f32"));
+  const auto bf16 = identity_of(golden("bf16"));
+  EXPECT_EQ(f32.fingerprint.size(), 64u);
+  EXPECT_NE(f32.fingerprint, bf16.fingerprint);  // tensor types differ in the directory
+  EXPECT_EQ(f32.n_layer, 4u);
+  pp::MappedFile f(golden("f32"));
+  const auto g = pp::gguf::parse(f.bytes());
+  EXPECT_EQ(f32.fingerprint, pp::to_hex(pp::sha256(f.bytes().first(g.data_offset))));
+  EXPECT_LT(g.data_offset, f.size() / 4);  // not a hash of the weights
+}
+
+TEST(Handshake, HelloAndWelcomeRoundTrip) {
+  pp::net::Hello h = hello_for(golden("f32"), 5000, 2, 4, 2);
+  h.chain.push_back(pp::net::Hop{pp::LayerRange{4, 8}, pp::net::Peer{"10.0.0.7", 5001}});
+  h.sampling.temperature = 0.7;
+  h.sampling.top_p = 0.9;
+  h.sampling.seed = 123456789012345ull;
+  const pp::net::Hello back = pp::net::decode_hello(pp::net::encode_hello(h));
+  EXPECT_EQ(back.model.fingerprint, h.model.fingerprint);
+  EXPECT_EQ(back.ctx, h.ctx);
+  ASSERT_EQ(back.chain.size(), 2u);
+  EXPECT_EQ(back.chain[1].peer.str(), "10.0.0.7:5001");
+  EXPECT_EQ(back.chain[1].range, (pp::LayerRange{4, 8}));
+  EXPECT_EQ(*back.sampling.temperature, 0.7);  // %.17g round-trips doubles exactly
+  EXPECT_EQ(*back.sampling.top_p, 0.9);
+  EXPECT_FALSE(back.sampling.top_k);
+  EXPECT_EQ(back.sampling.seed, h.sampling.seed);
+
+  pp::net::Welcome w;
+  w.stages.push_back({1, {2, 4}, {"avx2", 3}, 256, 1234, "127.0.0.1:5000"});
+  const auto wb = pp::net::decode_welcome(pp::net::encode_welcome(w));
+  ASSERT_EQ(wb.stages.size(), 1u);
+  EXPECT_EQ(wb.stages[0].profile.arch, "avx2");
+  EXPECT_EQ(wb.stages[0].bytes_used, 1234u);
+}
+
+TEST(Handshake, ChainChecksNameTheLayers) {
+  auto msg = [](uint32_t from, std::vector<std::pair<int, int>> ranges) -> std::string {
+    std::vector<pp::net::Hop> chain;
+    for (auto [lo, hi] : ranges) chain.push_back({{lo, hi}, {"h", 1}});
+    try {
+      pp::net::check_chain(from, chain, 8, 1);
+    } catch (const pp::net::HandshakeError& e) {
+      return e.what();
+    }
+    return "accepted";
+  };
+  EXPECT_EQ(msg(2, {{2, 5}, {5, 8}}), "accepted");
+  EXPECT_NE(msg(2, {{3, 8}}).find("gap: the previous stage ends at layer 2 but stage 1 (h:1) was assigned [3, 8); "
+                                  "layers [2, 3) would run nowhere"), std::string::npos);
+  EXPECT_NE(msg(3, {{2, 8}}).find("overlap: the previous stage ends at layer 3 but stage 1 (h:1) was assigned [2, 8); "
+                                  "layers [2, 3) would run twice"), std::string::npos);
+  EXPECT_NE(msg(2, {{2, 5}, {4, 8}}).find("overlap"), std::string::npos);
+  EXPECT_NE(msg(2, {{2, 5}, {6, 8}}).find("gap"), std::string::npos);
+  EXPECT_NE(msg(2, {{2, 6}}).find("the last stage ends at layer 6; layers [6, 8) of the model's 8 would run nowhere"),
+            std::string::npos);
+  EXPECT_NE(msg(2, {{2, 2}, {2, 8}}).find("empty"), std::string::npos);
+  EXPECT_NE(msg(2, {{2, 9}}).find("beyond the model's 8 layers"), std::string::npos);
+}
+
+// ================================================================ real mode on loopback
+
+TEST(ModelNode, SelftestPassesTwoAndFourStages) {
+  auto r = run(node({"--selftest", "--model", golden("f32"), "--tokens", "24", "--threads", "1"}));
+  expect_passed(r, 24, 24);
+  r = run(node({"--selftest", "--model", synth().mid, "--cuts", "2,5,7", "--prompt-ids", "1,2,3", "--tokens", "16",
+                "--ignore-eos", "--threads", "1"}));
+  expect_passed(r, 16, 16);
+  EXPECT_NE(r.out.find("pipe self-test: 4 stages in one process over loopback"), std::string::npos) << r.out;
+}
+
+struct ChainCase {
+  std::string name;
+  std::function<std::string()> model;
+  std::vector<int> cuts;
+};
+
+class LoopbackChain : public testing::TestWithParam<ChainCase> {};
+
+// N separate processes (coordinator + N-1 workers) give the single-process tokens and logits bit for bit.
+TEST_P(LoopbackChain, TokensAndLogitsIdenticalToOneProcess) {
+  const ChainCase& c = GetParam();
+  const std::string model = c.model();
+  auto ws = start_workers(model, c.cuts.size());
+  ASSERT_EQ(ws.size(), c.cuts.size());
+  const std::vector<int32_t> prompt = {5, 77, 300, 12, 9};
+  const std::size_t n = 20;
+  const fs::path logits = fs::path(synth().dir) / (c.name + ".logits");
+  const auto r = run(node({"--coordinator", chain_of(ws), "--model", model, "--cuts", join(c.cuts), "--prompt-ids",
+                           "5,77,300,12,9", "--tokens", std::to_string(n), "--ignore-eos", "--threads", "1",
+                           "--verify", "all", "--logits-out", logits.string()}));
+  expect_passed(r, n, n);
+  const Reference split = reference(model, c.cuts, prompt, n);
+  EXPECT_EQ(tokens_line(r.out), split.tokens);
+  const std::vector<float> got = read_f32(logits.string());
+  ASSERT_EQ(got.size(), split.logits.size());
+  EXPECT_EQ(std::memcmp(got.data(), split.logits.data(), got.size() * 4), 0) << "logits differ from LocalPipeline";
+  // Split or not, the same bytes (the engine's own invariant, relied on by verification).
+  const Reference whole = reference(model, {}, prompt, n, {}, 2);
+  EXPECT_EQ(std::memcmp(whole.logits.data(), split.logits.data(), got.size() * 4), 0);
+  // And the single-process generator binary agrees on the tokens.
+  const auto g = run({generate_bin(), "-m", model, "--prompt-ids", "5,77,300,12,9", "-n", std::to_string(n), "-t", "1"});
+  ASSERT_EQ(g.code, 0) << g.err;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(g.out, m, std::regex("tokens:([ 0-9]*)\n"))) << g.out;
+  EXPECT_EQ(tokens_line("\n  tokens:" + m[1].str() + "\n"), split.tokens);
+  for (auto& w : ws) EXPECT_TRUE(w.proc->running()) << w.proc->err();
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Stages, LoopbackChain,
+    testing::Values(ChainCase{"tiny2", [] { return golden("f32"); }, {2}},
+                    ChainCase{"tiny3", [] { return golden("bf16"); }, {1, 3}},
+                    ChainCase{"tiny4", [] { return golden("f16"); }, {1, 2, 3}},
+                    ChainCase{"mid2", [] { return synth().mid; }, {4}},
+                    ChainCase{"mid3_uneven", [] { return synth().mid; }, {1, 7}},
+                    ChainCase{"mid4_uneven", [] { return synth().mid; }, {5, 6, 7}}),
+    [](const testing::TestParamInfo<ChainCase>& i) { return i.param.name; });
+
+TEST(ModelNode, SampledTokensMatchTheGenerator) {
+  auto ws = start_workers(synth().mid, 2);
+  ASSERT_EQ(ws.size(), 2u);
+  const auto r = run(node({"--coordinator", chain_of(ws), "--model", synth().mid, "--cuts", "3,6", "--prompt-ids",
+                           "7,8,9", "--tokens", "24", "--ignore-eos", "--temperature", "0.9", "--top-k", "40",
+                           "--top-p", "0.95", "--seed", "1234", "--threads", "1"}));
+  expect_passed(r, 24, 4);  // the default bring-up probe
+  EXPECT_NE(r.out.find("verify: bring-up probe of the first 4 tokens"), std::string::npos) << r.out;
+  pp::SamplingParams sp;
+  sp.temperature = 0.9, sp.top_k = 40, sp.top_p = 0.95, sp.seed = 1234;
+  const Reference ref = reference(synth().mid, {}, {7, 8, 9}, 24, sp);
+  EXPECT_EQ(tokens_line(r.out), ref.tokens);
+  EXPECT_NE(ref.tokens, reference(synth().mid, {}, {7, 8, 9}, 24).tokens) << "sampling should differ from argmax";
+}
+
+TEST(ModelNode, TextPromptStreamsAndReportsRates) {
+  auto ws = start_workers(golden("f32"), 1);
+  ASSERT_EQ(ws.size(), 1u);
+  const auto r = run(node({"--coordinator", ws[0].addr(), "--model", golden("f32"), "--prompt", "Hello world",
+                           "--tokens", "12", "--threads", "1", "--dump-digests",
+                           (fs::path(synth().dir) / "digests.txt").string()}));
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("  prompt: "), std::string::npos) << r.out;
+  EXPECT_TRUE(std::regex_search(r.out, std::regex("  prefill: \\d+ tokens in [0-9.]+ ms = [0-9.]+ tokens/s\n"))) << r.out;
+  EXPECT_TRUE(std::regex_search(r.out, std::regex("  decode: \\d+ tokens in [0-9.]+ ms = [0-9.]+ tokens/s"))) << r.out;
+  // Decoding: FWD 48 + 64 x 4 down, RES 48 + 4 (+ 32 per digest) up.
+  EXPECT_NE(r.out.find("  wire: 388 bytes/token per hop while decoding"), std::string::npos) << r.out;
+  const auto tokens = tokens_line(r.out);
+  ASSERT_FALSE(tokens.empty());
+  // One 'position token digest' line per generated token.
+  const std::string digests = pp::test::read_text_file(fs::path(synth().dir) / "digests.txt");
+  EXPECT_EQ(std::count(digests.begin(), digests.end(), '\n'), long(tokens.size()));
+}
+
+TEST(ModelNode, ConcurrentSessionsKeepTheirOwnCache) {
+  auto ws = start_workers(synth().mid, 2);
+  ASSERT_EQ(ws.size(), 2u);
+  // Two coordinators at once through the same workers, different prompts, every token verified.
+  auto coord = [&](const std::string& ids) {
+    return std::make_unique<Process>(node({"--coordinator", chain_of(ws), "--model", synth().mid, "--cuts", "2,5",
+                                           "--prompt-ids", ids, "--tokens", "200", "--ignore-eos", "--threads", "1",
+                                           "--verify", "all"}));
+  };
+  auto a = coord("1,2,3,4");
+  auto b = coord("400,300,200");
+  const auto ca = a->wait(25s), cb = b->wait(25s);
+  ASSERT_TRUE(ca && cb);
+  EXPECT_EQ(*ca, 0) << a->out() << a->err();
+  EXPECT_EQ(*cb, 0) << b->out() << b->err();
+  EXPECT_NE(a->out().find("byte-identity: 200/200 IDENTICAL"), std::string::npos) << a->out();
+  EXPECT_NE(b->out().find("byte-identity: 200/200 IDENTICAL"), std::string::npos) << b->out();
+  EXPECT_TRUE(wait_sessions(ws[0].port, 0, 5s));
+  EXPECT_TRUE(wait_sessions(ws[1].port, 0, 5s));
+}
+
+TEST(ModelNode, SessionCountDropsWhenASessionEnds) {
+  auto w = start_worker(golden("f32"));
+  ASSERT_TRUE(w);
+  EXPECT_EQ(active_sessions(w->port), 0u);
+  auto a = std::make_unique<V2Client>(w->port);
+  auto b = std::make_unique<V2Client>(w->port);
+  auto wa = handshake(*a, hello_for(golden("f32"), w->port, 2, 4, 2), 1);
+  auto wb = handshake(*b, hello_for(golden("f32"), w->port, 1, 4, 1), 2);
+  ASSERT_TRUE(wa && wb);
+  EXPECT_EQ(wa->m.type, pp::net::kTypeWelcome) << wa->text();
+  EXPECT_EQ(wb->m.type, pp::net::kTypeWelcome) << wb->text();
+  EXPECT_EQ(active_sessions(w->port), 2u);
+  a.reset();
+  EXPECT_TRUE(wait_sessions(w->port, 1, 3s));
+  b->reset();  // an abrupt end frees the session too
+  EXPECT_TRUE(wait_sessions(w->port, 0, 3s));
+  EXPECT_TRUE(w->proc->wait_stderr("ended after 0 FWD (0 active)", 3s)) << w->proc->err();
+}
+
+// ================================================================ handshake refusals
+
+TEST(Handshake, DifferentModelFileIsRefused) {
+  auto w = start_worker(golden("f32"));
+  ASSERT_TRUE(w);
+  const auto r = run(node({"--coordinator", w->addr(), "--model", golden("bf16"), "--prompt-ids", "1,2", "--tokens",
+                           "4", "--threads", "1"}));
+  EXPECT_EQ(r.code, 3) << r.out << r.err;
+  EXPECT_NE(r.err.find("worker " + w->addr() + " (stage 1, layers [2, 4)) reports: handshake: different model file: "
+                       "the upstream runs 'golden-tiny-bf16.gguf'"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("this worker 'golden-tiny-f32.gguf'"), std::string::npos) << r.err;
+  // A model of another geometry says what differs too.
+  const auto r2 = run(node({"--coordinator", w->addr(), "--model", synth().mid, "--prompt-ids", "1,2", "--tokens",
+                            "4", "--threads", "1"}));
+  EXPECT_EQ(r2.code, 3);
+  EXPECT_NE(r2.err.find("n_layer 8 upstream != 4 here; n_embd 128 upstream != 64 here"), std::string::npos) << r2.err;
+  EXPECT_TRUE(w->proc->running());
+}
+
+TEST(Handshake, DifferentFileDeeperInTheChainIsNamed) {
+  auto w1 = start_worker(golden("f32"));
+  auto w2 = start_worker(golden("f16"));
+  ASSERT_TRUE(w1 && w2);
+  const auto r = run(node({"--coordinator", w1->addr() + "," + w2->addr(), "--model", golden("f32"), "--cuts", "1,2",
+                           "--prompt-ids", "1,2", "--tokens", "4", "--threads", "1"}));
+  EXPECT_EQ(r.code, 3) << r.out << r.err;
+  EXPECT_NE(r.err.find("worker " + w2->addr() + " (stage 2, layers [2, 4)) reports: handshake: different model file"),
+            std::string::npos)
+      << r.err;
+}
+
+TEST(Handshake, OverlappingAndGappedRangesAreRefused) {
+  auto w = start_worker(golden("f32"));
+  ASSERT_TRUE(w);
+  struct Case {
+    int lo, hi;
+    uint32_t from;
+    std::string needle;
+  };
+  for (const Case& c : {Case{2, 4, 1, "layer ranges leave a gap: the previous stage ends at layer 1 but stage 1 "
+                                      "(127.0.0.1:" + std::to_string(w->port) + ") was assigned [2, 4)"},
+                        Case{2, 4, 3, "layer ranges overlap: the previous stage ends at layer 3"},
+                        Case{2, 3, 2, "layers [3, 4) of the model's 4 would run nowhere"}}) {
+    V2Client cl(w->port);
+    const auto f = handshake(cl, hello_for(golden("f32"), w->port, c.lo, c.hi, c.from));
+    ASSERT_TRUE(f);
+    EXPECT_EQ(f->m.type, pp::net::kTypeErr);
+    EXPECT_NE(f->text().find(c.needle), std::string::npos) << f->text();
+    EXPECT_TRUE(cl.closed_by_peer(3s));
+  }
+  // The coordinator refuses bad cuts itself, before connecting (usage error).
+  for (const char* cuts : {"3,2", "2,2", "0,2", "2,4"}) {
+    const auto r = run(node({"--coordinator", w->addr() + "," + w->addr(), "--model", golden("f32"), "--cuts", cuts,
+                             "--prompt-ids", "1"}));
+    EXPECT_EQ(r.code, 2) << cuts << ": " << r.err;
+    EXPECT_NE(r.err.find("strictly increasing"), std::string::npos) << r.err;
+  }
+  const auto r = run(node({"--coordinator", w->addr(), "--model", golden("f32"), "--cuts", "1,2", "--prompt-ids", "1"}));
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("2 cut(s) for 1 worker(s)"), std::string::npos) << r.err;
+  EXPECT_EQ(active_sessions(w->port), 0u);
+}
+
+TEST(Handshake, WrongVersionIsRefused) {
+  auto w = start_worker(golden("f32"));
+  ASSERT_TRUE(w);
+  {  // a HELLO of another protocol version
+    V2Client c(w->port);
+    std::string text = pp::net::encode_hello(hello_for(golden("f32"), w->port, 2, 4, 2));
+    text.replace(text.find("protocol=2"), 10, "protocol=3");
+    ASSERT_TRUE(c.send_text(pp::net::kTypeHello, 1, text));
+    const auto f = c.read_frame();
+    ASSERT_TRUE(f);
+    EXPECT_EQ(f->m.type, pp::net::kTypeErr);
+    EXPECT_NE(f->text().find("protocol version: the peer speaks 3, this end speaks 2"), std::string::npos) << f->text();
+  }
+  {  // a frame header of an unknown version: ERR in the version-1 layout every reader parses
+    V2Client c(w->port);
+    std::vector<uint8_t> h = {'P', 'C', 'P', 'L', 3, 1, 0, 0, 0, 0, 0, 7, 0, 0, 0, 2, 0, 0, 0, 4, 0, 0, 0, 0};
+    ASSERT_TRUE(c.send(h));
+    const auto f = c.read_frame();
+    ASSERT_TRUE(f);
+    EXPECT_EQ(f->version, 1);
+    EXPECT_EQ(f->m.type, pp::net::kTypeErr);
+    EXPECT_NE(f->text().find("version 3 is not spoken here"), std::string::npos) << f->text();
+    EXPECT_TRUE(c.closed_by_peer(3s));
+  }
+  // The placeholder coordinator (version 1) against a model worker.
+  const auto r = run(node({"--coordinator", "127.0.0.1", "--port", std::to_string(w->port), "--hidden", "64",
+                           "--layers", "4", "--cut", "2", "--tokens", "2"}));
+  EXPECT_EQ(r.code, 3);
+  EXPECT_NE(r.err.find("answered FWD seq 0 with ERR: this worker runs a model ('golden-tiny-f32.gguf', 4 layers)"),
+            std::string::npos)
+      << r.err;
+  // A model coordinator (version 2) against a placeholder worker.
+  Process pw(node({"--worker", "--host", "127.0.0.1", "--port", "0"}));
+  ASSERT_TRUE(pw.wait_output("(Ctrl-C to stop)", 5s));
+  std::smatch m;
+  const std::string out = pw.out();
+  ASSERT_TRUE(std::regex_search(out, m, std::regex("listening on 127\\.0\\.0\\.1:(\\d+)")));
+  const auto r2 = run(node({"--coordinator", "127.0.0.1:" + m[1].str(), "--model", golden("f32"), "--prompt-ids", "1",
+                            "--tokens", "2"}));
+  EXPECT_EQ(r2.code, 3);
+  EXPECT_NE(r2.err.find("speaks version 1 (a placeholder worker, started without --model)"), std::string::npos)
+      << r2.err;
+  EXPECT_NE(r2.err.find("this worker runs the placeholder (no --model)"), std::string::npos) << r2.err;
+  EXPECT_TRUE(w->proc->running());
+}
+
+// ================================================================ multi-host: network namespaces and veth
+
+// Runs `ip` (or tc) and returns its exit status and stderr.
+RunResult ip(const std::vector<std::string>& args) {
+  std::vector<std::string> argv = {"ip"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return pp::test::run_process(argv, 10s);
+}
+
+// Three namespaces A - B - C joined by two veth pairs; the coordinator in A cannot reach C: the chain does.
+TEST(MultiHost, ChainAcrossNamespacesWithVethAndNetem) {
+  const std::string tag = std::to_string(::getpid() % 100000);
+  const std::string nsA = "ppA" + tag, nsB = "ppB" + tag, nsC = "ppC" + tag;
+  const auto probe = ip({"netns", "add", nsA});
+  if (probe.code != 0)
+    GTEST_SKIP() << "cannot create network namespaces (`ip netns add` exited " << probe.code << ": " << probe.err
+                 << "); the multi-host test needs CAP_SYS_ADMIN and CAP_NET_ADMIN";
+  struct Cleanup {
+    std::vector<std::string> ns;
+    ~Cleanup() {
+      for (const auto& n : ns) ip({"netns", "del", n});
+    }
+  } cleanup{{nsA}};
+  ASSERT_EQ(ip({"netns", "add", nsB}).code, 0);
+  cleanup.ns.push_back(nsB);
+  ASSERT_EQ(ip({"netns", "add", nsC}).code, 0);
+  cleanup.ns.push_back(nsC);
+  const std::string ab = "pa" + tag, ba = "pb" + tag, bc = "pc" + tag, cb = "pd" + tag;
+  const std::vector<std::vector<std::string>> setup = {
+      {"link", "add", ab, "type", "veth", "peer", "name", ba},
+      {"link", "set", ab, "netns", nsA},
+      {"link", "set", ba, "netns", nsB},
+      {"link", "add", bc, "type", "veth", "peer", "name", cb},
+      {"link", "set", bc, "netns", nsB},
+      {"link", "set", cb, "netns", nsC},
+      {"-n", nsA, "addr", "add", "10.201.1.1/24", "dev", ab},
+      {"-n", nsB, "addr", "add", "10.201.1.2/24", "dev", ba},
+      {"-n", nsB, "addr", "add", "10.201.2.2/24", "dev", bc},
+      {"-n", nsC, "addr", "add", "10.201.2.3/24", "dev", cb},
+      {"-n", nsA, "link", "set", ab, "up"},
+      {"-n", nsB, "link", "set", ba, "up"},
+      {"-n", nsB, "link", "set", bc, "up"},
+      {"-n", nsC, "link", "set", cb, "up"},
+      {"-n", nsA, "link", "set", "lo", "up"},
+      {"-n", nsB, "link", "set", "lo", "up"},
+      {"-n", nsC, "link", "set", "lo", "up"}};
+  for (const auto& s : setup) {
+    const auto r = ip(s);
+    ASSERT_EQ(r.code, 0) << "ip " << s[0] << " " << s[1] << " ...: " << r.err;
+  }
+  // netem needs the sch_netem module; say so and go on without the delay when the kernel lacks it.
+  bool delayed = true;
+  for (const auto& [ns, dev] : std::vector<std::pair<std::string, std::string>>{{nsA, ab}, {nsB, ba}, {nsB, bc}, {nsC, cb}}) {
+    const auto r = pp::test::run_process({"tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "netem", "delay", "1ms"}, 10s);
+    if (r.code != 0) {
+      delayed = false;
+      std::cout << "[ NOTE     ] netem unavailable (tc: " << r.err.substr(0, r.err.find('\n'))
+                << "): the chain crosses veth pairs without the 1 ms delay" << std::endl;
+      break;
+    }
+  }
+  const std::string model = synth().mid;
+  auto in_ns = [&](const std::string& ns, std::vector<std::string> args) {
+    std::vector<std::string> argv = {"ip", "netns", "exec", ns, node_bin()};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return argv;
+  };
+  const uint16_t p1 = 52101, p2 = 52102;  // fresh namespaces: nothing else binds there
+  Process w1(in_ns(nsB, {"--worker", "--model", model, "--host", "0.0.0.0", "--port", std::to_string(p1), "--threads", "1"}));
+  Process w2(in_ns(nsC, {"--worker", "--model", model, "--host", "10.201.2.3", "--port", std::to_string(p2), "--threads", "1"}));
+  ASSERT_TRUE(w1.wait_output("(Ctrl-C to stop)", 10s)) << w1.err();
+  ASSERT_TRUE(w2.wait_output("(Ctrl-C to stop)", 10s)) << w2.err();
+  EXPECT_NE(w1.err().find("warning: worker bound to 0.0.0.0:52101 (not loopback)"), std::string::npos) << w1.err();
+  const auto r = run(in_ns(nsA, {"--coordinator", "10.201.1.2:" + std::to_string(p1) + ",10.201.2.3:" + std::to_string(p2),
+                                 "--model", model, "--cuts", "3,6", "--prompt-ids", "3,1,4,1,5", "--tokens", "24",
+                                 "--ignore-eos", "--threads", "1", "--verify", "all"}));
+  expect_passed(r, 24, 24);
+  EXPECT_EQ(tokens_line(r.out), reference(model, {}, {3, 1, 4, 1, 5}, 24).tokens);
+  if (delayed) {
+    // Each token crosses two veth links down and two up, each end delayed 1 ms: >= 4 ms per round trip.
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(r.out, m, std::regex("round-trip ms: min (\\d+\\.\\d)")));
+    EXPECT_GE(std::stod(m[1]), 3.9) << r.out;
+  }
+  // The coordinator's namespace cannot reach C: the second hop really went through B.
+  const auto direct = run(in_ns(nsA, {"--coordinator", "10.201.2.3:" + std::to_string(p2), "--model", model,
+                                      "--prompt-ids", "1", "--tokens", "1", "--timeout", "1"}));
+  EXPECT_EQ(direct.code, 3) << direct.err;
+}
+
+// ================================================================ faults
+
+TEST(FaultModel, KillMiddleWorkerMidGeneration) {
+  const std::string model = synth().big;
+  auto ws = start_workers(model, 3);
+  ASSERT_EQ(ws.size(), 3u);
+  Process coord(node({"--coordinator", chain_of(ws), "--model", model, "--cuts", "2,4,6", "--prompt-ids", "1,2,3,4",
+                      "--tokens", "4000", "--ignore-eos", "--threads", "1", "--verify", "none", "--timeout", "3"}));
+  ASSERT_TRUE(coord.wait_output("  prompt: ", 15s)) << coord.err();
+  ASSERT_TRUE(wait_sessions(ws[1].port, 1, 5s));
+  std::this_thread::sleep_for(100ms);
+  ASSERT_TRUE(coord.running()) << "generation ended before the kill: " << coord.out();
+  ws[1].proc->kill_hard();
+  const auto t0 = Clock::now();
+  const auto code = coord.wait(8s);
+  ASSERT_TRUE(code) << "coordinator hung after a middle worker died";
+  EXPECT_LT(Clock::now() - t0, 5s);
+  EXPECT_EQ(*code, 3);
+  // The first worker reports the dead one by address and stage.
+  EXPECT_NE(coord.err().find("worker " + ws[1].addr() + " (stage 2, layers [4, 6))"), std::string::npos) << coord.err();
+  EXPECT_EQ(coord.out().find("byte-identity:"), std::string::npos);
+  // The others stay up, drop the dead session, and serve a new one.
+  EXPECT_TRUE(ws[0].proc->running());
+  EXPECT_TRUE(ws[2].proc->running());
+  EXPECT_TRUE(wait_sessions(ws[0].port, 0, 5s));
+  EXPECT_TRUE(wait_sessions(ws[2].port, 0, 5s));
+  const auto r = run(node({"--coordinator", ws[0].addr() + "," + ws[2].addr(), "--model", model, "--cuts", "3,5",
+                           "--prompt-ids", "1,2,3,4", "--tokens", "8", "--ignore-eos", "--threads", "1", "--verify",
+                           "all"}));
+  expect_passed(r, 8, 8);
+}
+
+TEST(FaultModel, StalledLastWorkerIsNamedWithinSeconds) {
+  auto ws = start_workers(golden("f32"), 2);
+  ASSERT_EQ(ws.size(), 2u);
+  Process coord(node({"--coordinator", chain_of(ws), "--model", golden("f32"), "--cuts", "1,2", "--prompt-ids", "1,2",
+                      "--tokens", "1000000", "--ignore-eos", "--threads", "1", "--verify", "none", "--timeout", "1"}));
+  ASSERT_TRUE(coord.wait_output("  prompt: ", 10s)) << coord.err();
+  ws[1].proc->signal(SIGSTOP);
+  const auto t0 = Clock::now();
+  const auto code = coord.wait(10s);
+  ws[1].proc->signal(SIGCONT);
+  ASSERT_TRUE(code) << "coordinator hung on a stalled worker";
+  EXPECT_LT(Clock::now() - t0, 4s);
+  EXPECT_EQ(*code, 3);
+  EXPECT_NE(coord.err().find("worker " + ws[1].addr() + " (stage 2, layers [2, 4)): timed out after 1.0 s"),
+            std::string::npos)
+      << coord.err();
+  EXPECT_TRUE(ws[0].proc->running());
+}
+
+// A fake worker: accepts one connection and does `behaviour` with it.
+class FakePeer {
+ public:
+  explicit FakePeer(std::function<void(int)> behaviour) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a);
+    ::listen(fd_, 16);
+    socklen_t len = sizeof a;
+    ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len);
+    port_ = ntohs(a.sin_port);
+    thread_ = std::thread([this, behaviour = std::move(behaviour)] {
+      pollfd p{fd_, POLLIN, 0};
+      if (::poll(&p, 1, 10000) <= 0) return;
+      const int conn = ::accept(fd_, nullptr, nullptr);
+      if (conn < 0) return;
+      behaviour(conn);
+      while (!done_.load()) std::this_thread::sleep_for(5ms);
+      ::close(conn);
+    });
+  }
+  ~FakePeer() {
+    done_.store(true);
+    thread_.join();
+    ::close(fd_);
+  }
+  uint16_t port() const { return port_; }
+  std::string addr() const { return "127.0.0.1:" + std::to_string(port_); }
+
+ private:
+  int fd_ = -1;
+  uint16_t port_ = 0;
+  std::atomic<bool> done_{false};
+  std::thread thread_;
+};
+
+void drain_some(int fd) {
+  std::vector<uint8_t> b(65536);
+  pollfd p{fd, POLLIN, 0};
+  if (::poll(&p, 1, 5000) > 0) (void)::recv(fd, b.data(), b.size(), 0);
+}
+
+RunResult coordinator_against(const std::string& addr) {
+  return run(node({"--coordinator", addr, "--model", golden("f32"), "--prompt-ids", "1,2", "--tokens", "4",
+                   "--threads", "1", "--timeout", "1", "--load-timeout", "1"}),
+             15s);
+}
+
+TEST(FaultModel, PeerAcceptsAndNeverAnswersTheHandshake) {
+  FakePeer peer([](int) {});
+  const auto r = coordinator_against(peer.addr());
+  EXPECT_EQ(r.code, 3) << r.out << r.err;
+  EXPECT_LT(r.seconds, 5.0);
+  EXPECT_NE(r.err.find("worker " + peer.addr() + " (stage 1, layers [2, 4)): timed out after 1.0 s without data"),
+            std::string::npos)
+      << r.err;
+}
+
+TEST(FaultModel, PeerSendsGarbageInsteadOfWelcome) {
+  FakePeer peer([](int fd) {
+    drain_some(fd);
+    std::vector<uint8_t> junk(64);
+    std::mt19937 rng(3);
+    for (auto& b : junk) b = uint8_t(rng());
+    ::send(fd, junk.data(), junk.size(), MSG_NOSIGNAL);
+  });
+  const auto r = coordinator_against(peer.addr());
+  EXPECT_EQ(r.code, 3) << r.err;
+  EXPECT_NE(r.err.find("worker " + peer.addr() + " (stage 1, layers [2, 4)): frame: magic:"), std::string::npos) << r.err;
+}
+
+TEST(FaultModel, PeerAnnouncesAHugeWelcome) {
+  FakePeer peer([](int fd) {
+    drain_some(fd);
+    pp::net::ModelHeader h;
+    h.type = pp::net::kTypeWelcome;
+    h.payload_bytes = 0xFFFFFFFFu;
+    const auto b = pp::net::encode_model_header(h);
+    ::send(fd, b.data(), b.size(), MSG_NOSIGNAL);
+  });
+  const auto r = coordinator_against(peer.addr());
+  EXPECT_EQ(r.code, 3) << r.err;
+  EXPECT_NE(r.err.find("WELCOME from worker " + peer.addr() + " (stage 1, layers [2, 4)): payload_bytes 4294967295 > limit 65536"),
+            std::string::npos)
+      << r.err;
+}
+
+TEST(FaultModel, RandomBytesCloseThatConnectionOnly) {
+  auto w = start_worker(golden("f32"), {"--timeout", "1"});
+  ASSERT_TRUE(w);
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 8; ++trial) {
+    V2Client c(w->port);
+    std::vector<uint8_t> junk(1 + rng() % 200);
+    for (auto& b : junk) b = uint8_t(rng());
+    if (trial % 2) std::memcpy(junk.data(), "PCPL\x02", std::min<std::size_t>(junk.size(), 5));
+    c.send(junk);
+    c.closed_by_peer(3s);  // closes, or waits for the rest of an announced frame until we go
+  }
+  const auto r = run(node({"--coordinator", w->addr(), "--model", golden("f32"), "--prompt-ids", "1,2", "--tokens",
+                           "4", "--threads", "1", "--verify", "all"}));
+  expect_passed(r, 4, 4);
+}
+
+TEST(FaultModel, OversizedFramesRefusedBeforeAllocation) {
+  auto w = start_worker(golden("f32"), {"--max-ctx", "64"});
+  ASSERT_TRUE(w);
+  struct Case {
+    uint32_t rows, payload_bytes;
+    std::string needle;
+  };
+  for (const Case& c : {Case{1, 0xFFFFFFFFu, "payload_bytes 4294967295 != rows 1 x hidden 64 x 4 = 256"},
+                        Case{65, 65 * 256, "rows 65 outside [1, 64]"},
+                        Case{0x40000000u, 0, "rows 1073741824 outside [1, 64]"}}) {
+    V2Client cl(w->port);
+    pp::net::Hello h = hello_for(golden("f32"), w->port, 2, 4, 2);
+    h.ctx = 64;
+    const auto wel = handshake(cl, h, 77);
+    ASSERT_TRUE(wel);
+    ASSERT_EQ(wel->m.type, pp::net::kTypeWelcome) << wel->text();
+    pp::net::ModelHeader f;
+    f.type = pp::net::kTypeFwd, f.session = 77, f.layer_lo = 2, f.layer_hi = 4, f.rows = c.rows;
+    const auto head = pp::net::encode_model_header([&] { auto g = f; g.payload_bytes = c.payload_bytes; return g; }());
+    ASSERT_TRUE(cl.send(std::vector<uint8_t>(head.begin(), head.end())));  // the header only: no payload follows
+    const auto e = cl.read_frame(3s);
+    ASSERT_TRUE(e) << "no ERR before the payload";
+    EXPECT_EQ(e->m.type, pp::net::kTypeErr);
+    EXPECT_NE(e->text().find(c.needle), std::string::npos) << e->text();
+    EXPECT_TRUE(cl.closed_by_peer(3s));
+  }
+  // A ctx larger than the worker allows is refused in the handshake.
+  V2Client cl(w->port);
+  pp::net::Hello h = hello_for(golden("f32"), w->port, 2, 4, 2);
+  h.ctx = 65;
+  const auto e = handshake(cl, h);
+  ASSERT_TRUE(e);
+  EXPECT_NE(e->text().find("ctx 65 outside [1, 64] (this worker's --max-ctx)"), std::string::npos) << e->text();
+  EXPECT_TRUE(w->proc->running());
+}
+
+TEST(FaultModel, TwoHundredStalledPartialHeaders) {
+  auto w = start_worker(golden("f32"));
+  ASSERT_TRUE(w);
+  std::vector<std::unique_ptr<RawSocket>> stalled;
+  for (int i = 0; i < 200; ++i) {
+    stalled.push_back(std::make_unique<RawSocket>(w->port));
+    stalled.back()->send({'P', 'C', 'P', 'L', 2, 1, 0});
+  }
+  const auto r = run(node({"--coordinator", w->addr(), "--model", golden("f32"), "--prompt-ids", "1,2", "--tokens",
+                           "8", "--threads", "1", "--verify", "all"}));
+  expect_passed(r, 8, 8);
+}
+
+TEST(FaultModel, ResetMidFrameEndsThatSessionOnly) {
+  auto w = start_worker(golden("f32"));
+  ASSERT_TRUE(w);
+  {
+    V2Client cl(w->port);
+    const auto wel = handshake(cl, hello_for(golden("f32"), w->port, 2, 4, 2), 5);
+    ASSERT_TRUE(wel);
+    ASSERT_EQ(wel->m.type, pp::net::kTypeWelcome) << wel->text();
+    EXPECT_EQ(active_sessions(w->port), 1u);
+    pp::net::ModelHeader f;
+    f.type = pp::net::kTypeFwd, f.session = 5, f.layer_lo = 2, f.layer_hi = 4, f.rows = 1, f.payload_bytes = 256;
+    const auto head = pp::net::encode_model_header(f);
+    std::vector<uint8_t> half(head.begin(), head.end());
+    half.resize(half.size() + 100, 0);
+    ASSERT_TRUE(cl.send(half));
+    std::this_thread::sleep_for(100ms);
+    cl.reset();
+  }
+  EXPECT_TRUE(wait_sessions(w->port, 0, 3s));
+  EXPECT_TRUE(w->proc->wait_stderr("connection reset by peer while reading FWD payload (100 of 256 bytes)", 3s))
+      << w->proc->err();
+  const auto r = run(node({"--coordinator", w->addr(), "--model", golden("f32"), "--prompt-ids", "1,2", "--tokens",
+                           "4", "--threads", "1", "--verify", "all"}));
+  expect_passed(r, 4, 4);
+}
+
+}  // namespace
