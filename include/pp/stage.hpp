@@ -45,7 +45,7 @@ enum class Residency {
 struct StageOptions {
   std::size_t ctx = 0;        // KV capacity in positions; 0 = min(4096, the model's context length)
   unsigned threads = 0;       // compute threads; 0 = hardware concurrency
-  std::size_t max_rows = 32;  // rows per internal chunk of a long request (bounds the scratch)
+  std::size_t max_rows = 128;  // rows per internal chunk of a long request (bounds the scratch)
   bool prefetch = true;       // fault in the stage's tensors at load instead of on first use
   // Quantized weights: int8 activations and integer dots, llama.cpp's numerics (its distance from exact
   // math on tests/data/golden-kq, 1.3-3.5x faster), or false for the exact path (weights dequantized to

@@ -214,15 +214,16 @@ TEST(ThreadPool, CoversEveryIndexOnce) {
 namespace {
 // Through pp::kernels::matmul: on AMX machines BF16 weights run on tiles (32-row blocks) with the
 // remaining rows on the AVX path; both must match the oracle and be independent of batch and threads.
-TEST(Matmul, DispatchedBf16PathMatchesOracleAndIsBatchInvariant) {
-  std::printf("AMX %s\n", pp::kernels::amx::available() ? "available: tiles in use for BF16" : "not available");
+TEST(Matmul, DispatchedHalfPathsMatchOracleAndAreBatchInvariant) {
+  std::printf("AMX %s\n", pp::kernels::amx::available() ? "available: tiles in use for BF16/F16" : "not available");
   std::mt19937 rng(11);
+  for (pp::DType type : {pp::DType::BF16, pp::DType::F16})
   for (std::size_t rows : {32, 100, 200})
     for (std::size_t cols : {64, 256, 2048}) {
-      const Stored w = store(pp::DType::BF16, randv(rows * cols, rng));
+      const Stored w = store(type, randv(rows * cols, rng));
       const std::size_t m = 37;
       const std::vector<float> x = randv(m * cols, rng, 3.f);
-      pp::MatView mv{pp::DType::BF16, w.bytes.data(), rows, cols, cols * 2};
+      pp::MatView mv{type, w.bytes.data(), rows, cols, cols * 2};
       std::vector<float> y(m * rows), y1(rows), y3(m * rows);
       pp::ThreadPool p1(1), p3(3);
       pp::kernels::matmul(p1, mv, x.data(), m, y.data());

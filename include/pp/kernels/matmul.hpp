@@ -102,7 +102,7 @@ inline void matmul_amx(ThreadPool& pool, const MatView& w, const float* x, std::
   // instance, so it is passed by reference (a thread_local named inside the lambda would be theirs).
   static thread_local amx::PackedX tls;
   amx::PackedX& px = tls;
-  amx::pack(x, m, w.cols, px);
+  amx::pack(x, m, w.cols, px, pool);
   const std::size_t blocks = w.rows / amx::kRowBlock, tail = blocks * amx::kRowBlock;
   pool.parallel_for(blocks, [&](std::size_t b, std::size_t e, unsigned) {
     amx::matmul_rows(w, px, m, y, b * amx::kRowBlock, e * amx::kRowBlock);
