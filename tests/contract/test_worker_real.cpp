@@ -29,6 +29,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fcntl.h>
@@ -363,9 +364,9 @@ TEST(RealVocab, ReadyLineCarriesTheModelGeometry) {
     EXPECT_EQ(r.at("layer_range"), stage == 0 ? json({0, total / 2}) : json({total / 2, total}));
     EXPECT_EQ(r.at("ctx"), 2048);  // min(4096, the synthetic model's context length 2048)
     EXPECT_EQ(r.at("max_line_bytes"), pp::worker::max_line_bytes(2048, 64));
-    const auto eos = r.at("eos_token_ids").get<std::vector<int32_t>>();
-    for (int32_t id : {128001, 128008, 128009})  // <|end_of_text|>, <|eom_id|>, <|eot_id|>
-      EXPECT_NE(std::find(eos.begin(), eos.end(), id), eos.end()) << id << " not in " << r.at("eos_token_ids");
+    // The tokenizer's end-of-generation ids, as llama.cpp picks them for this vocabulary (eos_token_id
+    // 128009 <|eot_id|>, and <|eom_id|> by name).
+    EXPECT_EQ(r.at("eos_token_ids"), json({128008, 128009}));
     const std::vector<json> loaded = events_of(w, "model_loaded");
     ASSERT_EQ(loaded.size(), 1u) << w.stderr_text();
     EXPECT_EQ(loaded[0].at("mode"), "real");
@@ -518,6 +519,24 @@ TEST(RealVocab, TokenIdsOutsideTheVocabularyAreRefused) {
                "tokens[0]");
   expect_ok(first.call({{"op", "embed_and_forward"}, {"request_id", 5}, {"tokens", {128255}}}), 5);
   expect_ok(last.call({{"op", "detokenize"}, {"request_id", 6}, {"tokens", {128255}}}), 6);
+}
+
+// The line limit follows the real geometry: ctx 8 x hidden 64 allows a 1 MiB + 1368-byte line.
+TEST(RealLimits, LineLimitFollowsTheModelGeometry) {
+  Worker w(real_env(golden_tiny(), 1, 2, {{"PP_CTX", "8"}}));
+  const json ready = w.reply(30);
+  const std::size_t limit = pp::worker::max_line_bytes(8, 64);
+  EXPECT_EQ(ready.at("max_line_bytes"), limit);
+  w.send_line(R"({"op":"detokenize","request_id":1,"tokens":[1],"pad":")" + std::string(limit, 'x') + "\"}");
+  const json r = w.reply();
+  EXPECT_TRUE(r.at("request_id").is_null());
+  EXPECT_NE(r.at("error").get<std::string>().find("exceeds the limit of " + std::to_string(limit)), std::string::npos)
+      << r.dump();
+  // Eight rows (the capacity) still fit in one line and are served.
+  const std::string eight_rows = b64::encode(std::string(8 * 64 * 2, '\0'));
+  w.send_json({{"op", "forward_and_sample"}, {"request_id", 2}, {"hidden_b64", eight_rows}, {"position", 0},
+               {"seq_len", 8}});
+  expect_ok(w.reply(), 2);
 }
 
 // ---------------------------------------------------------------- equivalence with the single-process generator
@@ -695,6 +714,7 @@ TEST(Bench, TwoStagePipelineOnAModel) {
   std::printf("2-stage worker pipeline: prefill %d tokens %.2f s (%.1f tok/s) | decode %d tokens %.2f tok/s\n",
               n_prefill, prefill_s, n_prefill / prefill_s, n_tokens - 1, (n_tokens - 1) / decode_s);
 
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // each op event follows its reply
   for (int i = 0; i < 2; ++i) {
     OpStats prefill, decode;
     for (const json& e : events_of(p.worker(i), "op")) {

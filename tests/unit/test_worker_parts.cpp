@@ -355,6 +355,26 @@ TEST(Startup, OptionalSettings) {
   EXPECT_EQ(startup_error(env), "");
 }
 
+TEST(Startup, ThreadsSetting) {
+  std::map<std::string, std::string> env = {{"STAGE", "0"}, {"NUM_STAGES", "2"}};
+  const auto threads = [&] {
+    return read_config(CliOptions{}, [&](const char* n) -> const char* {
+             const auto it = env.find(n);
+             return it == env.end() ? nullptr : it->second.c_str();
+           })
+        .threads;
+  };
+  EXPECT_EQ(threads(), 0);  // every core
+  env["PP_THREADS"] = " 3 ";
+  EXPECT_EQ(threads(), 3);
+  env["PP_THREADS"] = "";
+  EXPECT_EQ(threads(), 0);
+  for (const char* bad : {"-1", "1025", "two", "+2"}) {
+    env["PP_THREADS"] = bad;
+    EXPECT_NE(startup_error(env).find(std::string("PP_THREADS='") + bad + "'"), std::string::npos) << bad;
+  }
+}
+
 TEST(Startup, LineLimitCoversTheLargestRequest) {
   EXPECT_EQ(max_line_bytes(4096, 16), base64::encoded_size(4096 * 16 * 2) + kLineSlack);
   EXPECT_GT(max_line_bytes(4096, 2048), size_t(22) * 1000 * 1000);  // 4096-token prefill of the 1B model

@@ -11,6 +11,7 @@
 #include <pp/text/sampler.hpp>
 #include <pp/text/tokenizer.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -151,16 +152,17 @@ class RealBackend final : public Backend {
         full_seq_ = std::make_unique<Sequence>(full->new_sequence());
         full_ = std::move(full);
       } catch (const std::bad_alloc&) {
-        throw RequestError("generate_full: out of memory opening the whole model with ctx " +
+        throw RequestError("out of memory opening the whole model with ctx " +
                            std::to_string(stage_->ctx()));
       }
     }
+    if (prompt.empty()) throw RequestError("the prompt has no tokens");
     const std::size_t n = prompt.size(), d = full_->config().n_embd;
     std::vector<float> rows(n * d);
     full_->embed(prompt, rows.data());
     full_->forward(*full_seq_, 0, rows.data(), n);
     std::vector<int32_t> out;
-    out.reserve(std::size_t(max_tokens));
+    out.reserve(std::size_t(std::min(max_tokens, 1 << 16)));
     std::vector<float> logits(full_->config().n_vocab);
     full_->head(*full_seq_, rows.data() + (n - 1) * d, 1, logits.data());
     for (int i = 0; i < max_tokens; ++i) {
