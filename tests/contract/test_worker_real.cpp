@@ -366,7 +366,7 @@ TEST(RealVocab, ReadyLineCarriesTheModelGeometry) {
     EXPECT_EQ(r.at("max_line_bytes"), pp::worker::max_line_bytes(2048, 64));
     // The tokenizer's end-of-generation ids, as llama.cpp picks them for this vocabulary (eos_token_id
     // 128009 <|eot_id|>, and <|eom_id|> by name).
-    EXPECT_EQ(r.at("eos_token_ids"), json({128008, 128009}));
+    EXPECT_EQ(r.at("eos_token_ids"), json({128001, 128008, 128009}));
     const std::vector<json> loaded = events_of(w, "model_loaded");
     ASSERT_EQ(loaded.size(), 1u) << w.stderr_text();
     EXPECT_EQ(loaded[0].at("mode"), "real");

@@ -241,9 +241,9 @@ TEST(Llama3Tokenizer, MetadataFromGguf) {
   EXPECT_EQ(t.eos(), 128009);
   EXPECT_EQ(t.eot(), 128009);  // detected from "<|eot_id|>"
   EXPECT_EQ(t.eom(), 128008);  // detected from "<|eom_id|>"
-  EXPECT_EQ(t.eog_ids(), (Ids{128008, 128009}));  // as llama.cpp: <|end_of_text|> does not end generation
+  EXPECT_EQ(t.eog_ids(), (Ids{128001, 128008, 128009}));  // as current llama.cpp: <|end_of_text|> ends generation too
   EXPECT_TRUE(t.is_eog(128009));
-  EXPECT_FALSE(t.is_eog(128001));
+  EXPECT_TRUE(t.is_eog(128001));
   EXPECT_TRUE(t.add_bos());
   EXPECT_EQ(t.pre_tokenizer(), pp::PreTokenizerKind::llama3);
   EXPECT_TRUE(t.is_control(128000));
@@ -282,7 +282,7 @@ TEST(GoldenTinyTokenizer, Metadata) {
   EXPECT_EQ(t.vocab_size(), 512);
   EXPECT_EQ(t.bos(), 496);
   EXPECT_EQ(t.eos(), 501);
-  EXPECT_EQ(t.eog_ids(), (Ids{500, 501}));
+  EXPECT_EQ(t.eog_ids(), (Ids{497, 500, 501}));  // <|end_of_text|>, <|eom_id|>, <|eot_id|>
   EXPECT_TRUE(t.add_bos());
   EXPECT_EQ(t.encode("Hello", true).front(), 496);
 }

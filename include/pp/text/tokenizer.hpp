@@ -91,9 +91,12 @@ inline constexpr std::array<std::string_view, 7> kEotNames = {
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>",
     "<\xEF\xBD\x9C" "end\xE2\x96\x81of\xE2\x96\x81sentence\xEF\xBD\x9C>"};  // DeepSeek
 inline constexpr std::string_view kEomName = "<|eom_id|>";
-// Every token with one of these texts ends generation (and is made a control token).
-inline constexpr std::array<std::string_view, 7> kEogNames = {
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>"};
+// Every token with one of these texts ends generation (and is made a control token). Current llama.cpp
+// also lists "<|end_of_text|>" (128001 in Llama-3, where base models end a document; Hugging Face's
+// generation config of the instruct models lists it too) and "_<EOT>"; b4747 did not.
+inline constexpr std::array<std::string_view, 9> kEogNames = {
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
+    "<|end_of_text|>"};
 
 // Immutable tables shared by every copy of a Tokenizer.
 struct Vocab {
