@@ -42,13 +42,13 @@ inline std::filesystem::path models_dir() {
   return d ? std::filesystem::path(d) : std::filesystem::path("models");
 }
 
-// A Llama-3.2-1B-shaped synthetic model of `dtype` ("bf16", "f16", "f32"), generated when missing.
+// A Llama-3.2-1B-shaped synthetic model of `dtype` ("bf16", "f16", "q8_0", "q4_k_m", ...), generated when missing.
 inline std::string model_1b(const std::string& dtype) {
   const auto path = models_dir() / ("synth-llama3.2-1b-" + dtype + ".gguf");
   if (!std::filesystem::exists(path)) {
     std::filesystem::create_directories(models_dir());
     synth::Spec s = synth::llama32_1b();
-    s.dtype = dtype == "f16" ? gguf::TensorType::F16 : dtype == "f32" ? gguf::TensorType::F32 : gguf::TensorType::BF16;
+    synth::set_file_type(s, dtype);
     std::fprintf(stderr, "pp_bench: generating %s ...\n", path.c_str());
     synth::write(s, path.string());
   }

@@ -57,7 +57,11 @@ void matvec_args(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(BM_Matvec)->Apply(matvec_args)->Unit(benchmark::kMicrosecond)->UseRealTime();
 
-const char* dtype_arg(int64_t i) { return i == 0 ? "bf16" : "f16"; }
+// Model weight types by benchmark argument.
+const char* dtype_arg(int64_t i) {
+  static const char* names[] = {"bf16", "f16", "q8_0", "q4_k_m"};
+  return names[i];
+}
 
 struct Loaded {
   std::unique_ptr<pp::Stage> stage;
@@ -106,7 +110,7 @@ void BM_Decode(benchmark::State& st) {
               std::to_string(s.bytes_used() >> 20) + " MiB");
 }
 BENCHMARK(BM_Decode)
-    ->ArgsProduct({{0, 1}, {1, 2}, {int(pp::Residency::Anonymous)}})
+    ->ArgsProduct({{0, 1, 2, 3}, {1, 2}, {int(pp::Residency::Anonymous)}})
     ->Args({0, 2, int(pp::Residency::Mapped)})
     ->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
 
@@ -156,7 +160,7 @@ void BM_Prefill(benchmark::State& st) {
   st.counters["tok/s"] = benchmark::Counter(double(n), benchmark::Counter::kIsIterationInvariantRate);
   st.SetLabel(dt);
 }
-BENCHMARK(BM_Prefill)->ArgsProduct({{0, 1}, {128, 512}, {1, 2}})->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(2);
+BENCHMARK(BM_Prefill)->ArgsProduct({{0, 1, 2, 3}, {128, 512}, {1, 2}})->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(2);
 
 }  // namespace
 

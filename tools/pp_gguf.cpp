@@ -237,19 +237,13 @@ struct SynthOptions {
   std::size_t layers = 0, embd = 0, heads = 0, kv_heads = 0, ff = 0, vocab = 0, ctx = 0;
 };
 
-pp::gguf::TensorType synth_dtype(const std::string& s) {
-  if (s == "f32") return pp::gguf::TensorType::F32;
-  if (s == "f16") return pp::gguf::TensorType::F16;
-  if (s == "bf16") return pp::gguf::TensorType::BF16;
-  throw pp::Error("--dtype '" + s + "' is not one of f32, f16, bf16");
-}
 
 // Writes a synthetic Llama-3.2-layout model (tools/common/synth.hpp) and prints what it wrote.
 int run_synth(const SynthOptions& o) {
   pp::synth::Spec s = o.preset == "llama3.2-1b" ? pp::synth::llama32_1b() : pp::synth::Spec{};
   if (o.preset != "tiny" && o.preset != "llama3.2-1b")
     throw pp::Error("--preset '" + o.preset + "' is not one of tiny, llama3.2-1b");
-  s.dtype = synth_dtype(o.dtype);
+  pp::synth::set_file_type(s, o.dtype);
   s.seed = o.seed;
   s.vocab_from = o.vocab_from;
   if (o.layers) s.n_layer = o.layers;
@@ -283,7 +277,7 @@ int main(int argc, char** argv) {
   CLI::App* synth_cmd = app.add_subcommand("synth", "Write a synthetic Llama-3.2-layout model with random weights");
   synth_cmd->add_option("out", synth.out, "output GGUF path")->required();
   synth_cmd->add_option("--preset", synth.preset, "tiny (golden-tiny's shapes) or llama3.2-1b (exact 1B shapes)");
-  synth_cmd->add_option("--dtype", synth.dtype, "weight type: f32, f16, bf16");
+  synth_cmd->add_option("--dtype", synth.dtype, "weight type: f32, f16, bf16, q8_0, q6_k, q4_0, q4_1, q5_0, q5_1, q4_k_m, q5_k_m (llama-quantize's mixes)");
   synth_cmd->add_option("--seed", synth.seed, "weight seed");
   synth_cmd->add_option("--vocab-from", synth.vocab_from, "copy the tokenizer (and vocabulary size) from this GGUF");
   synth_cmd->add_option("--layers", synth.layers, "override: decoder blocks");
