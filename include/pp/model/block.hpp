@@ -32,23 +32,30 @@ inline void attention(const Config& c, std::span<const Segment> segs, std::size_
                       ThreadPool& pool) {
   const std::size_t hd = c.head_dim, group = c.n_head / c.n_head_kv, kvd = c.kv_dim();
   const float scale = 1.0f / std::sqrt(float(hd));
-  pool.parallel_for(m * c.n_head, [&](std::size_t b, std::size_t e, unsigned t) {
-    float* w = s.scores.data() + std::size_t(t) * s.scores_stride;
+  // One task per (row, KV head): the query heads sharing a KV head read each key and value once.
+  pool.parallel_for(m * c.n_head_kv, [&](std::size_t b, std::size_t e, unsigned t) {
+    float* w = s.scores.data() + std::size_t(t) * s.scores_stride * group;  // [group][window]
     for (std::size_t task = b; task < e; ++task) {
-      const std::size_t i = task / c.n_head, h = task % c.n_head, g = h / group;
+      const std::size_t i = task / c.n_head_kv, g = task % c.n_head_kv;
       const Segment& seg = segs[s.row_seg[i]];
       const KvCache& kv = *seg.kv;
       const int64_t p = seg.pos + int64_t(i - seg.row0), lo = kv.window_lo(p);
-      const float* q = s.q.data() + i * c.q_dim() + h * hd;
+      const float* q = s.q.data() + i * c.q_dim() + g * group * hd;  // [group, head_dim]
       auto fresh = [&](int64_t j) { return (seg.row0 + std::size_t(j - seg.pos)) * kvd + g * hd; };
       auto key = [&](int64_t j) { return j < seg.pos ? kv.k(layer, kv.slot(j)) + g * hd : s.k.data() + fresh(j); };
       auto value = [&](int64_t j) { return j < seg.pos ? kv.v(layer, kv.slot(j)) + g * hd : s.v.data() + fresh(j); };
       const std::size_t n = std::size_t(p - lo + 1);
-      for (std::size_t j = 0; j < n; ++j) w[j] = kernels::dot_f32(q, key(lo + int64_t(j)), hd) * scale;
-      kernels::softmax(w, n);
-      float* out = s.att.data() + i * c.q_dim() + h * hd;
-      std::memset(out, 0, hd * sizeof(float));
-      for (std::size_t j = 0; j < n; ++j) kernels::axpy(w[j], value(lo + int64_t(j)), out, hd);
+      for (std::size_t j = 0; j < n; ++j) {
+        const float* kj = key(lo + int64_t(j));
+        for (std::size_t h = 0; h < group; ++h) w[h * s.scores_stride + j] = kernels::dot_f32(q + h * hd, kj, hd) * scale;
+      }
+      for (std::size_t h = 0; h < group; ++h) kernels::softmax(w + h * s.scores_stride, n);
+      float* out = s.att.data() + i * c.q_dim() + g * group * hd;  // [group, head_dim]
+      std::memset(out, 0, group * hd * sizeof(float));
+      for (std::size_t j = 0; j < n; ++j) {
+        const float* vj = value(lo + int64_t(j));
+        for (std::size_t h = 0; h < group; ++h) kernels::axpy(w[h * s.scores_stride + j], vj, out + h * hd, hd);
+      }
     }
   });
 }

@@ -17,7 +17,7 @@ struct Scratch {
       : max_rows(max_rows), xn(max_rows * c.n_embd), q(max_rows * c.q_dim()), k(max_rows * c.kv_dim()),
         v(max_rows * c.kv_dim()), att(max_rows * c.q_dim()), proj(max_rows * c.n_embd),
         gate(max_rows * c.n_ff), up(max_rows * c.n_ff), cos(max_rows * c.head_dim / 2),
-        sin(max_rows * c.head_dim / 2), row_seg(max_rows), scores(std::size_t(n_threads) * kv_capacity), scores_stride(kv_capacity),
+        sin(max_rows * c.head_dim / 2), row_seg(max_rows), scores(std::size_t(n_threads) * kv_capacity * (c.n_head / c.n_head_kv)), scores_stride(kv_capacity),
         xq(max_rows * quant::act_row_bytes_bound(std::max({c.n_embd, c.q_dim(), c.n_ff}))) {}
 
   std::size_t max_rows = 0;
@@ -29,7 +29,7 @@ struct Scratch {
   Buffer<float> gate, up;  // [rows, n_ff]
   Buffer<float> cos, sin;  // [rows, head_dim / 2] RoPE tables of the chunk's positions
   Buffer<uint32_t> row_seg;  // [rows] index of each row's segment in the chunk
-  Buffer<float> scores;    // [n_threads, kv_capacity] attention weights, one row per thread
+  Buffer<float> scores;    // [n_threads, group, kv_capacity] attention weights of each thread's query heads
   std::size_t scores_stride = 0;
   Buffer<uint8_t> xq;      // [rows, act_row_bytes] a matmul's input quantized to int8 blocks (fast path)
 };
