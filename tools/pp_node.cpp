@@ -534,8 +534,12 @@ int main(int argc, char** argv) {
                "without it, the placeholder transform, which proves the transport."};
   app.footer("Exit status: 0 ok, 1 byte-identity mismatch, 2 usage error, 3 peer or transport failure.");
   Cli c;
-  app.add_flag("--selftest", c.selftest, "run both stages in one process on loopback (correctness gate)");
-  app.add_flag("--worker", c.worker, "run stage B (layers [cut, layers)), serving several connections");
+  app.add_flag("--selftest", c.selftest,
+               "run every stage in one process on loopback (correctness gate; with --model one worker per cut, "
+               "every token verified)");
+  app.add_flag("--worker", c.worker,
+               "serve a later stage to several connections: layers [cut, layers), or with --model the range "
+               "each session's handshake assigns");
   app.add_option("--coordinator", c.coordinator,
                  "run stage A (layers [0, cut)) against the worker at HOST; with --model a chain "
                  "H1[:P1],H2[:P2],... in order")
@@ -543,9 +547,9 @@ int main(int argc, char** argv) {
   app.add_option("--port", c.port, "worker port (worker: 0 binds an ephemeral port, printed)")
       ->capture_default_str();
   app.add_option("--host", c.host, "worker bind address")->capture_default_str();
-  app.add_option("--hidden", c.hidden, "residual width in uint32 words (activation = hidden*4 bytes)")
+  app.add_option("--hidden", c.hidden, "placeholder: residual width in uint32 words (activation = hidden*4 bytes)")
       ->capture_default_str();
-  app.add_option("--layers", c.layers, "total layers")->capture_default_str();
+  app.add_option("--layers", c.layers, "placeholder: total layers (with --model: the model's)")->capture_default_str();
   auto* cut_opt = app.add_option("--cut", c.cut, "stage boundary layer, 0 < cut < layers")->capture_default_str();
   app.add_option("--tokens", c.tokens, "tokens to stream")->capture_default_str();
   app.add_flag("--no-verify", c.no_verify, "coordinator does not compute ground truth");

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -30,10 +31,12 @@
 #include "pp/io/llama_loader.hpp"
 #include "pp/io/mmap.hpp"
 #include "pp/model/local_pipeline.hpp"
+#include "pp/kernels/simd.hpp"
 #include "pp/net/handshake.hpp"
 #include "pp/net/model_frame.hpp"
 #include "pp/net/model_link.hpp"
 #include "pp/text/sampler.hpp"
+#include "pp/text/tokenizer.hpp"
 
 namespace {
 
@@ -385,6 +388,7 @@ TEST(Handshake, HelloAndWelcomeRoundTrip) {
   h.sampling.temperature = 0.7;
   h.sampling.top_p = 0.9;
   h.sampling.seed = 123456789012345ull;
+  h.coordinator = {"avx2", 6};
   const pp::net::Hello back = pp::net::decode_hello(pp::net::encode_hello(h));
   EXPECT_EQ(back.model.fingerprint, h.model.fingerprint);
   EXPECT_EQ(back.ctx, h.ctx);
@@ -395,6 +399,8 @@ TEST(Handshake, HelloAndWelcomeRoundTrip) {
   EXPECT_EQ(*back.sampling.top_p, 0.9);
   EXPECT_FALSE(back.sampling.top_k);
   EXPECT_EQ(back.sampling.seed, h.sampling.seed);
+  EXPECT_EQ(back.coordinator.arch, "avx2");
+  EXPECT_EQ(back.coordinator.threads, 6u);
 
   pp::net::Welcome w;
   w.stages.push_back({1, {2, 4}, {"avx2", 3}, 256, 1234, "127.0.0.1:5000"});
@@ -559,6 +565,62 @@ TEST(ModelNode, SessionCountDropsWhenASessionEnds) {
   b->reset();  // an abrupt end frees the session too
   EXPECT_TRUE(wait_sessions(w->port, 0, 3s));
   EXPECT_TRUE(w->proc->wait_stderr("ended after 0 FWD (0 active)", 3s)) << w->proc->err();
+}
+
+TEST(ModelNode, StopsAtEndOfGeneration) {
+  // Near-uniform sampling (temperature 50) draws one of the end-of-generation ids within a few hundred
+  // tokens; the reference says where, and the chain must stop exactly there (and not with --ignore-eos).
+  const std::string model = golden("f32");
+  pp::MappedFile f(model);
+  const pp::Tokenizer tok = pp::Tokenizer::from_gguf(pp::gguf::parse(f.bytes()));
+  ASSERT_FALSE(tok.eog_ids().empty());
+  pp::SamplingParams sp;
+  sp.temperature = 50.0;
+  std::optional<std::size_t> stop;
+  Reference ref;
+  for (sp.seed = 1; sp.seed < 20 && !stop; ++sp.seed) {
+    ref = reference(model, {}, {1, 2, 3}, 600, sp);
+    for (std::size_t i = 0; i < ref.tokens.size() && !stop; ++i)
+      if (tok.is_eog(ref.tokens[i])) stop = i;
+  }
+  if (!stop) GTEST_SKIP() << "no end-of-generation token drawn in 19 seeded runs of 600 tokens";
+  --sp.seed;
+  auto w = start_worker(model);
+  ASSERT_TRUE(w);
+  auto args = [&](bool ignore) {
+    std::vector<std::string> a = node({"--coordinator", w->addr(), "--model", model, "--prompt-ids", "1,2,3",
+                                       "--tokens", "600", "--temperature", "50", "--seed", std::to_string(sp.seed),
+                                       "--threads", "1"});
+    if (ignore) a.push_back("--ignore-eos");
+    return a;
+  };
+  const auto r = run(args(false));
+  expect_passed(r, *stop + 1, std::min<std::size_t>(4, *stop + 1));
+  EXPECT_EQ(tokens_line(r.out), std::vector<int32_t>(ref.tokens.begin(), ref.tokens.begin() + long(*stop) + 1));
+  const auto all = run(args(true));
+  EXPECT_EQ(tokens_line(all.out), ref.tokens);
+}
+
+TEST(ModelNode, OllamaTagResolvesOnEveryEnd) {
+  // A local Ollama store holding golden-tiny under the tag "tiny:latest".
+  const fs::path store = fs::path(synth().dir) / "ollama";
+  const std::string bytes = pp::test::read_text_file(golden("f32"));
+  const std::string hex = pp::to_hex(pp::sha256(std::span(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size())));
+  fs::create_directories(store / "blobs");
+  fs::create_directories(store / "manifests/registry.ollama.ai/library/tiny");
+  fs::copy_file(golden("f32"), store / "blobs" / ("sha256-" + hex), fs::copy_options::overwrite_existing);
+  std::ofstream(store / "manifests/registry.ollama.ai/library/tiny/latest")
+      << R"({"schemaVersion":2,"layers":[{"mediaType":"application/vnd.ollama.image.model","digest":"sha256:)" << hex
+      << R"(","size":)" << bytes.size() << "}]}";
+  ::setenv("OLLAMA_MODELS", store.c_str(), 1);
+  auto w = start_worker("tiny:latest");
+  ASSERT_TRUE(w);
+  const auto r = run(node({"--coordinator", w->addr(), "--model", "tiny", "--prompt-ids", "1,2,3", "--tokens", "8",
+                           "--threads", "1", "--verify", "all"}));
+  ::unsetenv("OLLAMA_MODELS");
+  expect_passed(r, 8, 8);
+  EXPECT_NE(r.out.find("model: tiny -> " + (store / "blobs" / ("sha256-" + hex)).string()), std::string::npos) << r.out;
+  EXPECT_EQ(tokens_line(r.out), reference(golden("f32"), {}, {1, 2, 3}, 8).tokens);
 }
 
 // ================================================================ handshake refusals
@@ -900,6 +962,62 @@ TEST(FaultModel, PeerAnnouncesAHugeWelcome) {
   EXPECT_NE(r.err.find("WELCOME from worker " + peer.addr() + " (stage 1, layers [2, 4)): payload_bytes 4294967295 > limit 65536"),
             std::string::npos)
       << r.err;
+}
+
+// Reads one version-2 frame from a raw fd (for fake workers); false on close or timeout.
+bool fake_read_v2(int fd, pp::net::ModelHeader& m, std::vector<uint8_t>& payload) {
+  auto read_n = [fd](std::size_t n, std::vector<uint8_t>& out) {
+    out.resize(n);
+    std::size_t got = 0;
+    while (got < n) {
+      pollfd p{fd, POLLIN, 0};
+      if (::poll(&p, 1, 5000) <= 0) return false;
+      const ssize_t r = ::recv(fd, out.data() + got, n - got, 0);
+      if (r <= 0) return false;
+      got += static_cast<std::size_t>(r);
+    }
+    return true;
+  };
+  std::vector<uint8_t> h;
+  if (!read_n(48, h)) return false;
+  m = pp::net::decode_model_header(pp::net::decode_header(h), std::span(h).subspan(24));
+  return read_n(m.payload_bytes, payload);
+}
+
+void fake_send_v2(int fd, pp::net::ModelHeader m, const std::string& payload) {
+  m.payload_bytes = static_cast<uint32_t>(payload.size());
+  const auto h = pp::net::encode_model_header(m);
+  std::string b(h.begin(), h.end());
+  b += payload;
+  ::send(fd, b.data(), b.size(), MSG_NOSIGNAL);
+}
+
+// A worker with other kernels whose digests do not match: the report says both things, exit status 1.
+TEST(FaultModel, DifferentProfileAndWrongDigestsAreReported) {
+  FakePeer peer([](int fd) {
+    pp::net::ModelHeader m;
+    std::vector<uint8_t> p;
+    if (!fake_read_v2(fd, m, p)) return;
+    m.type = pp::net::kTypeWelcome;
+    pp::net::Welcome w;
+    w.stages.push_back({1, {2, 4}, {"sse4_2", 1}, 2048, 0, "fake"});
+    fake_send_v2(fd, m, pp::net::encode_welcome(w));
+    while (fake_read_v2(fd, m, p)) {
+      m.type = pp::net::kTypeRes;
+      fake_send_v2(fd, m, std::string(4 + 32, '\0'));  // token 0, an all-zero digest
+    }
+  });
+  const auto r = run(node({"--coordinator", peer.addr(), "--model", golden("f32"), "--prompt-ids", "1,2", "--tokens",
+                           "3", "--ignore-eos", "--threads", "1", "--verify", "all"}));
+  EXPECT_EQ(r.code, 1) << r.out << r.err;
+  EXPECT_NE(r.out.find("numeric profiles differ (coordinator " + std::string(pp::simd::Best::name()) +
+                       "; stage 1 sse4_2): byte-identity with this process is not expected"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("byte-identity: 0/3 identical  FAIL (3)  (numeric profiles differ: identity was not expected)"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("  MISMATCH pos=2: distributed 000000000000 local "), std::string::npos) << r.out;
 }
 
 TEST(FaultModel, RandomBytesCloseThatConnectionOnly) {

@@ -63,7 +63,6 @@ struct ModelRunOptions {
   std::string dump_digests;         // "pos token sha256" lines
   net::Timeouts timeouts;
   net::Millis load_wait{120000};
-  bool quiet_text = false;          // do not stream the generated text
 };
 
 namespace detail {
@@ -127,6 +126,181 @@ inline std::string sampling_text(const SamplingParams& p) {
   return s + " seed " + std::to_string(p.seed);
 }
 
+
+// Prompt ids: --prompt-ids as given, or --prompt encoded (BOS as the tokenizer says).
+inline std::vector<int32_t> prompt_tokens(const ModelRunOptions& o, const std::optional<Tokenizer>& tok,
+                                          const std::string& tok_error, const Config& cfg, uint32_t ctx) {
+  std::vector<int32_t> prompt = o.prompt_ids;
+  if (prompt.empty()) {
+    if (!tok) throw UsageError{"the model has no usable tokenizer (" + tok_error + "): give --prompt-ids"};
+    prompt = tok->encode(o.prompt.value_or("The capital of France is"), tok->add_bos(), true);
+  }
+  if (prompt.empty()) throw UsageError{"the prompt encodes to no tokens"};
+  if (prompt.size() > ctx)
+    throw UsageError{"the prompt has " + std::to_string(prompt.size()) + " tokens > ctx " + std::to_string(ctx) +
+                     " (--ctx)"};
+  for (int32_t t : prompt)
+    if (t < 0 || std::size_t(t) >= cfg.n_vocab)
+      throw UsageError{"prompt token id " + std::to_string(t) + " is outside the vocabulary [0, " +
+                       std::to_string(cfg.n_vocab) + ")"};
+  return prompt;
+}
+
+// The workers after the handshake: ranges assigned, every stage's report received.
+struct Chain {
+  std::vector<net::Hop> hops;
+  uint64_t session = 0;
+  std::unique_ptr<net::ModelLink> link;  // to the first worker; the rest hang off it
+  net::Welcome welcome;
+  std::string profile_diff;  // stages whose kernels differ from this process's, empty when none do
+};
+
+inline Chain connect_chain(const ModelRunOptions& o, const std::vector<int>& cuts, const net::ModelIdentity& id,
+                           uint32_t ctx, const net::NumericProfile& mine) {
+  Chain c;
+  for (std::size_t i = 0; i < o.workers.size(); ++i)
+    c.hops.push_back(net::Hop{LayerRange{cuts[i], i + 1 < cuts.size() ? cuts[i + 1] : int(id.n_layer)}, o.workers[i]});
+  net::Hello hello;
+  hello.model = id;
+  hello.ctx = ctx;
+  hello.from = uint32_t(cuts.front());
+  hello.stage = 1;
+  hello.chain = c.hops;
+  hello.sampling = o.sampling;
+  hello.coordinator = mine;
+  auto ms = [](net::Millis t) { return t == net::kNoTimeout ? 0u : uint32_t(std::min<int64_t>(t.count(), 86400000)); };
+  hello.timeout_ms = ms(o.timeouts.io);
+  hello.load_timeout_ms = ms(o.load_wait);
+  c.session = random_session_id();
+  c.link = std::make_unique<net::ModelLink>(c.hops.front(), 1, o.timeouts, net::reply_wait(o.timeouts.io, c.hops.size()));
+  c.link->send_hello(hello, c.session);
+  c.welcome = c.link->read_welcome(net::reply_wait(o.load_wait, c.hops.size()));
+  const std::string& who = c.link->who();
+  if (c.welcome.stages.size() != c.hops.size())
+    throw Error(who + ": WELCOME reports " + std::to_string(c.welcome.stages.size()) + " stages, the chain has " +
+                std::to_string(c.hops.size()));
+  for (std::size_t i = 0; i < c.hops.size(); ++i) {
+    const net::StageReport& r = c.welcome.stages[i];
+    if (r.range != c.hops[i].range || r.stage != i + 1)
+      throw Error(who + ": WELCOME reports stage " + std::to_string(r.stage) + " with layers " + range_text(r.range) +
+                  ", expected stage " + std::to_string(i + 1) + " with " + range_text(c.hops[i].range));
+    if (r.profile.arch != mine.arch) {
+      if (!c.profile_diff.empty()) c.profile_diff += ", ";
+      c.profile_diff += "stage " + std::to_string(r.stage) + " " + r.profile.arch;
+    }
+  }
+  return c;
+}
+
+inline void print_chain(const Stage& stage, const net::ModelIdentity& id, const Chain& c,
+                        const net::NumericProfile& mine) {
+  const Config& cfg = stage.config();
+  std::cout << "pipe coordinator (stage 0, layers " << range_text(stage.range()) << ") -> " << c.hops.size()
+            << " worker(s), model '" << id.file << "' (fingerprint " << id.fingerprint.substr(0, 16) << ", "
+            << cfg.n_layer << " layers, hidden " << cfg.n_embd << ", vocab " << cfg.n_vocab << ")\n";
+  std::cout << "  stage 0  layers " << range_text(stage.range()) << "  coordinator  " << mine.arch << " x "
+            << mine.threads << " threads  ctx " << stage.ctx() << "  weights " << stage.bytes_used() << " B\n";
+  for (const net::StageReport& r : c.welcome.stages)
+    std::cout << "  stage " << r.stage << "  layers " << range_text(r.range) << "  " << r.where << "  "
+              << r.profile.arch << " x " << r.profile.threads << " threads  ctx " << r.ctx << "  weights "
+              << r.bytes_used << " B\n";
+  if (c.profile_diff.empty())
+    std::cout << "  numeric profiles: " << mine.arch << " kernels on every stage\n";
+  else
+    std::cout << "  numeric profiles differ (coordinator " << mine.arch << "; " << c.profile_diff
+              << "): byte-identity with this process is not expected\n";
+}
+
+// Byte-identity: the same positions recomputed in this process over the whole file (the same cuts,
+// an f32 wire: bit-identical to the unsplit model), their logits' digests compared with the chain's.
+class Verifier {
+ public:
+  Verifier(const ModelRunOptions& o, const std::vector<int>& cuts, const StageOptions& so, uint64_t file_bytes) {
+    if (o.verify == Verify::all) {
+      tokens_ = SIZE_MAX;
+      note_ = "every token (--verify all)";
+    } else if (o.verify == Verify::probe) {
+      const auto avail = mem_available();
+      if (avail && file_bytes > *avail) {
+        note_ = "skipped: the bring-up probe needs the whole model here (" + std::to_string(file_bytes >> 20) +
+                " MiB) but only " + std::to_string(*avail >> 20) + " MiB are available; --verify all forces it";
+      } else {
+        tokens_ = kProbeTokens;
+        note_ = "bring-up probe of the first " + std::to_string(kProbeTokens) + " tokens (--verify all checks every token)";
+      }
+    } else {
+      note_ = "skipped (--verify none)";
+    }
+    if (tokens_ > 0) ref_ = std::make_unique<LocalPipeline>(o.path, cuts, WireDType::F32, so);
+  }
+
+  // Whether generated token i (0-based) is verified: its FWD then asks for the digest.
+  bool wants(std::size_t i) const { return ref_ && i < tokens_; }
+
+  // Runs the reference on the rows that produced generated token i and compares the digests.
+  void check(std::size_t i, std::span<const int32_t> feed, int64_t pos, const net::StepReply& r) {
+    logits_.resize(ref_->config().n_vocab);
+    ref_->run(feed, pos, logits_.data(), 1);
+    const Sha256Digest want = net::logits_digest(logits_);
+    ++verified_;
+    if (r.digest && *r.digest == want) {
+      ++matched_;
+    } else if (verified_ - matched_ <= 3) {
+      std::cout << "\n  MISMATCH pos=" << pos + int64_t(feed.size()) << ": distributed "
+                << (r.digest ? to_hex(*r.digest).substr(0, 12) : std::string("(none)")) << " local "
+                << to_hex(want).substr(0, 12) << std::endl;
+    }
+    if (i + 1 == tokens_) ref_.reset();  // the probe is done: give the memory back
+  }
+
+  std::size_t verified() const { return verified_; }
+  std::size_t matched() const { return matched_; }
+  const std::string& note() const { return note_; }
+
+ private:
+  std::size_t tokens_ = 0;
+  std::string note_;
+  std::unique_ptr<LocalPipeline> ref_;
+  std::vector<float> logits_;  // [n_vocab]
+  std::size_t verified_ = 0, matched_ = 0;
+};
+
+// What the report says about the run (verification aside).
+struct RunStats {
+  std::size_t prompt = 0;
+  std::vector<int32_t> generated;
+  std::vector<double> rtt_ms;  // FWD sent to RES received, per generated token
+  double prefill_s = 0, decode_s = 0;
+  uint64_t prefill_bytes = 0, total_bytes = 0;  // frame bytes on the first hop, both directions
+};
+
+inline void print_report(const RunStats& s, const Config& cfg, std::size_t n_hops, const std::string& verify_note) {
+  const std::size_t n_decode = s.generated.empty() ? 0 : s.generated.size() - 1;
+  std::cout << "  prefill: " << s.prompt << " tokens in " << fixed(s.prefill_s * 1e3, 2) << " ms = "
+            << fixed(s.prefill_s > 0 ? double(s.prompt) / s.prefill_s : 0.0) << " tokens/s\n";
+  std::cout << "  decode: " << n_decode << " tokens in " << fixed(s.decode_s * 1e3, 2) << " ms = "
+            << fixed(s.decode_s > 0 ? double(n_decode) / s.decode_s : 0.0) << " tokens/s ("
+            << fixed(n_decode ? s.decode_s * 1e3 / double(n_decode) : 0.0, 3) << " ms/token)\n";
+  const auto [lo, hi] = std::minmax_element(s.rtt_ms.begin(), s.rtt_ms.end());
+  auto us = [](double ms) { return fixed(ms * 1e3); };
+  std::cout << "  round-trip us: min " << us(*lo) << "  p50 " << us(net::percentile(s.rtt_ms, 50)) << "  p99 "
+            << us(net::percentile(s.rtt_ms, 99)) << "  max " << us(*hi) << "\n";
+  // Every hop carries the same frames (a middle worker relays them), so one hop's count is every hop's.
+  const double per_token = n_decode ? double(s.total_bytes - s.prefill_bytes) / double(n_decode) : 0.0;
+  std::cout << "  wire: " << fixed(per_token, 0) << " bytes/token per hop while decoding (FWD "
+            << net::kModelHeaderBytes << "+" << cfg.n_embd * 4 << " down, RES " << net::kModelHeaderBytes
+            << "+4 up, +32 per digest, +" << cfg.n_vocab * 4 << " per --logits-out row) x " << n_hops
+            << " hop(s) = " << fixed(per_token * double(n_hops), 0) << " bytes/token; prefill " << s.prefill_bytes
+            << " bytes per hop\n";
+  std::cout << "  tokens:";
+  for (int32_t t : s.generated) std::cout << ' ' << t;
+  std::cout << "\n  verify: " << verify_note << "\n";
+  std::cout << "\n"
+            << s.generated.size() << " tokens  round-trip ms: min " << fixed(*lo) << "  p50 "
+            << fixed(net::percentile(s.rtt_ms, 50)) << "  p99 " << fixed(net::percentile(s.rtt_ms, 99)) << "  max "
+            << fixed(*hi) << "\n";
+}
+
 }  // namespace detail
 
 // Runs the whole generation; returns the exit status. Throws UsageError for a bad command line and
@@ -149,8 +323,6 @@ inline int run_model_coordinator(const ModelRunOptions& o) {
   const Config& cfg = stage.config();
   const net::ModelIdentity id = net::identify_model(stage.file().bytes(), stage.gguf(), cfg, o.path);
   const uint32_t ctx = uint32_t(stage.ctx());
-
-  // Prompt and streaming text.
   std::optional<Tokenizer> tok;
   std::string tok_error;
   try {
@@ -158,92 +330,12 @@ inline int run_model_coordinator(const ModelRunOptions& o) {
   } catch (const Error& e) {
     tok_error = e.what();
   }
-  std::vector<int32_t> prompt = o.prompt_ids;
-  if (prompt.empty()) {
-    if (!tok) throw UsageError{"the model has no usable tokenizer (" + tok_error + "): give --prompt-ids"};
-    prompt = tok->encode(o.prompt.value_or("The capital of France is"), tok->add_bos(), true);
-  }
-  if (prompt.empty()) throw UsageError{"the prompt encodes to no tokens"};
-  if (prompt.size() > ctx)
-    throw UsageError{"the prompt has " + std::to_string(prompt.size()) + " tokens > ctx " + std::to_string(ctx) +
-                     " (--ctx)"};
-  for (int32_t t : prompt)
-    if (t < 0 || std::size_t(t) >= cfg.n_vocab)
-      throw UsageError{"prompt token id " + std::to_string(t) + " is outside the vocabulary [0, " +
-                       std::to_string(cfg.n_vocab) + ")"};
+  const std::vector<int32_t> prompt = detail::prompt_tokens(o, tok, tok_error, cfg, ctx);
 
-  // The chain and the handshake.
-  std::vector<net::Hop> hops;
-  for (std::size_t i = 0; i < o.workers.size(); ++i)
-    hops.push_back(net::Hop{LayerRange{cuts[i], i + 1 < cuts.size() ? cuts[i + 1] : int(cfg.n_layer)}, o.workers[i]});
-  net::Hello hello;
-  hello.model = id;
-  hello.ctx = ctx;
-  hello.from = uint32_t(cuts.front());
-  hello.stage = 1;
-  hello.chain = hops;
-  hello.sampling = o.sampling;
-  auto ms = [](net::Millis t) { return t == net::kNoTimeout ? 0u : uint32_t(std::min<int64_t>(t.count(), 86400000)); };
-  hello.timeout_ms = ms(o.timeouts.io);
-  hello.load_timeout_ms = ms(o.load_wait);
-  const uint64_t session = detail::random_session_id();
-  auto link = std::make_unique<net::ModelLink>(hops.front(), 1, o.timeouts, net::reply_wait(o.timeouts.io, hops.size()));
-  link->send_hello(hello, session);
-  const net::Welcome welcome = link->read_welcome(net::reply_wait(o.load_wait, hops.size()));
-  if (welcome.stages.size() != hops.size())
-    throw Error(link->who() + ": WELCOME reports " + std::to_string(welcome.stages.size()) + " stages, the chain has " +
-                std::to_string(hops.size()));
   const net::NumericProfile mine = net::local_profile(stage.threads());
-  std::string profile_diff;
-  for (std::size_t i = 0; i < hops.size(); ++i) {
-    const net::StageReport& r = welcome.stages[i];
-    if (r.range != hops[i].range || r.stage != i + 1)
-      throw Error(link->who() + ": WELCOME reports stage " + std::to_string(r.stage) + " with layers " +
-                  detail::range_text(r.range) + ", expected stage " + std::to_string(i + 1) + " with " +
-                  detail::range_text(hops[i].range));
-    if (r.profile.arch != mine.arch)
-      profile_diff += (profile_diff.empty() ? "" : ", ") + std::string("stage ") + std::to_string(r.stage) + " " +
-                      r.profile.arch;
-  }
-
-  std::cout << "pipe coordinator (stage 0, layers " << detail::range_text(stage.range()) << ") -> "
-            << hops.size() << " worker(s), model '" << id.file << "' (fingerprint " << id.fingerprint.substr(0, 16)
-            << ", " << cfg.n_layer << " layers, hidden " << cfg.n_embd << ", vocab " << cfg.n_vocab << ")\n";
-  std::cout << "  stage 0  layers " << detail::range_text(stage.range()) << "  coordinator  " << mine.arch << " x "
-            << mine.threads << " threads  ctx " << ctx << "  weights " << stage.bytes_used() << " B\n";
-  for (const net::StageReport& r : welcome.stages)
-    std::cout << "  stage " << r.stage << "  layers " << detail::range_text(r.range) << "  " << r.where << "  "
-              << r.profile.arch << " x " << r.profile.threads << " threads  ctx " << r.ctx << "  weights "
-              << r.bytes_used << " B\n";
-  if (profile_diff.empty())
-    std::cout << "  numeric profiles: " << mine.arch << " kernels on every stage\n";
-  else
-    std::cout << "  numeric profiles differ (coordinator " << mine.arch << "; " << profile_diff
-              << "): byte-identity with this process is not expected\n";
-
-  // Verification plan: the reference runs in this process over the whole file, the same cuts, f32.
-  const uint64_t file_bytes = stage.file().size();
-  std::size_t verify_tokens = 0;
-  std::string verify_note;
-  if (o.verify == Verify::all) {
-    verify_tokens = SIZE_MAX;
-    verify_note = "every token (--verify all)";
-  } else if (o.verify == Verify::probe) {
-    const auto avail = detail::mem_available();
-    if (avail && file_bytes > *avail) {
-      verify_note = "skipped: the bring-up probe needs the whole model here (" + std::to_string(file_bytes >> 20) +
-                    " MiB) but only " + std::to_string(*avail >> 20) + " MiB are available; --verify all forces it";
-    } else {
-      verify_tokens = kProbeTokens;
-      verify_note = "bring-up probe of the first " + std::to_string(kProbeTokens) +
-                    " tokens (--verify all checks every token)";
-    }
-  } else {
-    verify_note = "skipped (--verify none)";
-  }
-  std::unique_ptr<LocalPipeline> ref;
-  if (verify_tokens > 0) ref = std::make_unique<LocalPipeline>(o.path, cuts, WireDType::F32, so);
-  std::vector<float> ref_logits(cfg.n_vocab);
+  detail::Chain chain = detail::connect_chain(o, cuts, id, ctx, mine);
+  detail::print_chain(stage, id, chain, mine);
+  detail::Verifier verifier(o, cuts, so, stage.file().size());
 
   std::ofstream logits_file, digest_file;
   if (!o.logits_out.empty()) {
@@ -254,64 +346,48 @@ inline int run_model_coordinator(const ModelRunOptions& o) {
     digest_file.open(o.dump_digests);
     if (!digest_file) throw Error("cannot write --dump-digests '" + o.dump_digests + "'");
   }
-
   std::cout << "  prompt: " << prompt.size() << " tokens; generating up to " << o.tokens << " ("
             << detail::sampling_text(o.sampling) << (o.ignore_eos ? ", --ignore-eos" : "") << ")\n"
             << std::endl;
 
-  // Generation: the coordinator's layers, then FWD down the chain; the token comes back.
+  // Each token: this stage's layers, a FWD down the chain, the sampled token back up.
+  net::ModelLink& link = *chain.link;
   Sequence seq = stage.new_sequence();
-  Buffer<float> rows(prompt.size() * cfg.n_embd);  // [rows, n_embd]
+  Buffer<float> rows(prompt.size() * cfg.n_embd);  // [rows, n_embd] the residual crossing the first cut
   std::vector<uint8_t> res;
-  std::vector<int32_t> feed = prompt, generated;
-  std::vector<double> rtt_ms;
-  double prefill_s = 0, decode_s = 0;
-  uint64_t prefill_bytes = 0;
-  std::size_t verified = 0, matched = 0;
+  std::vector<int32_t> feed = prompt;
   std::optional<StreamDecoder> text;
   if (tok) text.emplace(*tok);
+  detail::RunStats stats;
+  stats.prompt = prompt.size();
   int64_t pos = 0;
   for (uint32_t i = 0; i < o.tokens; ++i) {
-    const bool check = ref && i < verify_tokens;
     const auto t0 = clock::now();
     stage.embed(feed, rows.data());
     stage.forward(seq, pos, rows.data(), feed.size());
     net::ModelHeader fwd;
     fwd.type = net::kTypeFwd;
     fwd.seq = i;
-    fwd.session = session;
+    fwd.session = chain.session;
     fwd.pos = uint64_t(pos);
     fwd.rows = uint32_t(feed.size());
-    fwd.layer_lo = uint32_t(hops.front().range.lo);
-    fwd.layer_hi = uint32_t(hops.front().range.hi);
-    fwd.flags = uint8_t((check || digest_file.is_open() ? net::kFlagDigest : 0) |
+    fwd.layer_lo = uint32_t(chain.hops.front().range.lo);
+    fwd.layer_hi = uint32_t(chain.hops.front().range.hi);
+    fwd.flags = uint8_t((verifier.wants(i) || digest_file.is_open() ? net::kFlagDigest : 0) |
                         (logits_file.is_open() ? net::kFlagLogits : 0));
     const auto t1 = clock::now();
-    link->send_fwd(fwd, std::span(reinterpret_cast<const uint8_t*>(rows.data()), feed.size() * cfg.n_embd * 4));
-    link->read_res(fwd, uint32_t(cfg.n_vocab), res);
+    link.send_fwd(fwd, std::span(reinterpret_cast<const uint8_t*>(rows.data()), feed.size() * cfg.n_embd * 4));
+    link.read_res(fwd, uint32_t(cfg.n_vocab), res);
     const auto t2 = clock::now();
-    rtt_ms.push_back(std::chrono::duration<double, std::milli>(t2 - t1).count());
-    (i == 0 ? prefill_s : decode_s) += std::chrono::duration<double>(t2 - t0).count();
-    if (i == 0) prefill_bytes = link->bytes_sent() + link->bytes_received();
+    stats.rtt_ms.push_back(std::chrono::duration<double, std::milli>(t2 - t1).count());
+    (i == 0 ? stats.prefill_s : stats.decode_s) += std::chrono::duration<double>(t2 - t0).count();
+    if (i == 0) stats.prefill_bytes = link.bytes_sent() + link.bytes_received();
 
     const net::StepReply r = net::decode_res(res, fwd.flags, uint32_t(cfg.n_vocab));
     if (r.token < 0 || std::size_t(r.token) >= cfg.n_vocab)
-      throw Error(link->who() + ": RES seq " + std::to_string(i) + " carries token id " + std::to_string(r.token) +
+      throw Error(link.who() + ": RES seq " + std::to_string(i) + " carries token id " + std::to_string(r.token) +
                   " outside the vocabulary [0, " + std::to_string(cfg.n_vocab) + ")");
-    if (check) {
-      // Not timed: the reference doubles the work, it is not part of the pipeline's cost.
-      ref->run(feed, pos, ref_logits.data(), 1);
-      const Sha256Digest want = net::logits_digest(ref_logits);
-      ++verified;
-      if (r.digest && *r.digest == want) {
-        ++matched;
-      } else if (verified - matched <= 3) {
-        std::cout << "\n  MISMATCH pos=" << pos + int64_t(feed.size()) << ": distributed "
-                  << (r.digest ? to_hex(*r.digest).substr(0, 12) : std::string("(none)")) << " local "
-                  << to_hex(want).substr(0, 12) << std::endl;
-      }
-      if (i + 1 == verify_tokens) ref.reset();  // the probe is done: give the memory back
-    }
+    if (verifier.wants(i)) verifier.check(i, feed, pos, r);  // not timed: not part of the pipeline's cost
     if (logits_file.is_open())
       logits_file.write(reinterpret_cast<const char*>(r.logits.data()), std::streamsize(r.logits.size() * 4));
     if (digest_file.is_open())
@@ -319,52 +395,23 @@ inline int run_model_coordinator(const ModelRunOptions& o) {
 
     pos += int64_t(feed.size());
     feed.assign(1, r.token);
-    generated.push_back(r.token);
-    const bool eog = tok && tok->is_eog(r.token);
-    if (eog && !o.ignore_eos) break;
-    if (!o.quiet_text) {
-      if (text) std::cout << text->feed(r.token);
-      else std::cout << (i ? " " : "") << r.token;
-      std::cout.flush();
-    }
+    stats.generated.push_back(r.token);
+    if (tok && tok->is_eog(r.token) && !o.ignore_eos) break;
+    if (text) std::cout << text->feed(r.token);
+    else std::cout << (i ? " " : "") << r.token;  // no tokenizer: the ids
+    std::cout.flush();
   }
-  if (text && !o.quiet_text) std::cout << text->flush();
-  const uint64_t wire_total = link->bytes_sent() + link->bytes_received();
-  link.reset();  // ends the session on every worker before the report
+  if (text) std::cout << text->flush();
+  stats.total_bytes = link.bytes_sent() + link.bytes_received();
+  chain.link.reset();  // ends the session on every worker before the report
   if (logits_file.is_open() && !logits_file.flush()) throw Error("writing --logits-out '" + o.logits_out + "' failed");
 
   // Report: extra lines first, the prototype's two lines last for scripts.
-  const std::size_t n = generated.size();
-  const std::size_t n_decode = n > 0 ? n - 1 : 0;
-  const std::size_t n_hops = hops.size();
   std::cout << "\n\n";
-  std::cout << "  prefill: " << prompt.size() << " tokens in " << detail::fixed(prefill_s * 1e3, 2) << " ms = "
-            << detail::fixed(prefill_s > 0 ? double(prompt.size()) / prefill_s : 0.0) << " tokens/s\n";
-  std::cout << "  decode: " << n_decode << " tokens in " << detail::fixed(decode_s * 1e3, 2) << " ms = "
-            << detail::fixed(decode_s > 0 ? double(n_decode) / decode_s : 0.0) << " tokens/s ("
-            << detail::fixed(n_decode ? decode_s * 1e3 / double(n_decode) : 0.0, 3) << " ms/token)\n";
-  auto us = [](double ms) { return detail::fixed(ms * 1e3); };
-  std::cout << "  round-trip us: min " << us(*std::min_element(rtt_ms.begin(), rtt_ms.end())) << "  p50 "
-            << us(net::percentile(rtt_ms, 50)) << "  p99 " << us(net::percentile(rtt_ms, 99)) << "  max "
-            << us(*std::max_element(rtt_ms.begin(), rtt_ms.end())) << "\n";
-  const double per_token = n_decode ? double(wire_total - prefill_bytes) / double(n_decode) : 0.0;
-  std::cout << "  wire: " << detail::fixed(per_token, 0) << " bytes/token per hop while decoding (FWD "
-            << net::kModelHeaderBytes << "+" << cfg.n_embd * 4 << " down, RES " << net::kModelHeaderBytes
-            << "+4 up, +32 per digest, +" << cfg.n_vocab * 4 << " per --logits-out row) x " << n_hops
-            << " hop(s) = " << detail::fixed(per_token * double(n_hops), 0) << " bytes/token; prefill "
-            << prefill_bytes << " bytes per hop\n";
-  std::cout << "  tokens:";
-  for (int32_t t : generated) std::cout << ' ' << t;
-  std::cout << "\n  verify: " << verify_note << "\n";
-
-  std::cout << "\n"
-            << n << " tokens  round-trip ms: min " << detail::fixed(*std::min_element(rtt_ms.begin(), rtt_ms.end()))
-            << "  p50 " << detail::fixed(net::percentile(rtt_ms, 50)) << "  p99 "
-            << detail::fixed(net::percentile(rtt_ms, 99)) << "  max "
-            << detail::fixed(*std::max_element(rtt_ms.begin(), rtt_ms.end())) << "\n";
+  detail::print_report(stats, cfg, chain.hops.size(), verifier.note());
+  const std::size_t verified = verifier.verified(), matched = verifier.matched();
   if (verified == 0) {
-    std::cout << "byte-identity: " << (o.verify == Verify::none ? "skipped (--verify none)" : verify_note)
-              << "; workers hold the far layers" << std::endl;
+    std::cout << "byte-identity: " << verifier.note() << "; workers hold the far layers" << std::endl;
     return kExitOk;
   }
   if (matched == verified) {
@@ -373,7 +420,8 @@ inline int run_model_coordinator(const ModelRunOptions& o) {
     return kExitOk;
   }
   std::cout << "byte-identity: " << matched << "/" << verified << " identical  FAIL (" << (verified - matched) << ")"
-            << (profile_diff.empty() ? "" : "  (numeric profiles differ: identity was not expected)") << std::endl;
+            << (chain.profile_diff.empty() ? "" : "  (numeric profiles differ: identity was not expected)")
+            << std::endl;
   return kExitMismatch;
 }
 

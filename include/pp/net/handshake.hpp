@@ -83,6 +83,7 @@ struct Hello {
   uint32_t stage = 0;     // the receiver's stage index (the coordinator is stage 0)
   std::vector<Hop> chain; // chain[0] is the receiver, then every later worker in order
   SamplingParams sampling;
+  NumericProfile coordinator;  // passed down unchanged: every worker can tell when its kernels differ
   // The coordinator's timeouts, used by every hop of the session for its own next hop, so that waits
   // nest (each end waits longer than the ends below it) whatever each worker was started with.
   uint32_t timeout_ms = 0;       // connect and stall timeout; 0 = the worker's own --timeout
@@ -198,6 +199,8 @@ inline std::string encode_hello(const Hello& h) {
   if (h.sampling.top_p) line("top_p", detail::double_text(*h.sampling.top_p));
   if (h.sampling.min_p) line("min_p", detail::double_text(*h.sampling.min_p));
   line("seed", std::to_string(h.sampling.seed));
+  if (!h.coordinator.arch.empty())
+    line("profile", detail::clean(h.coordinator.arch) + "," + std::to_string(h.coordinator.threads));
   if (h.timeout_ms) line("timeout_ms", std::to_string(h.timeout_ms));
   if (h.load_timeout_ms) line("load_timeout_ms", std::to_string(h.load_timeout_ms));
   return s;
@@ -236,7 +239,10 @@ inline Hello decode_hello(std::string_view text) {
     else if (k == "top_p") h.sampling.top_p = detail::parse_double(k, v);
     else if (k == "min_p") h.sampling.min_p = detail::parse_double(k, v);
     else if (k == "seed") h.sampling.seed = detail::parse_uint<uint64_t>(k, v, UINT64_MAX);
-    else if (k == "timeout_ms") h.timeout_ms = detail::parse_uint<uint32_t>(k, v, 86400000);
+    else if (k == "profile") {
+      const auto f = detail::split(k, v, 2);
+      h.coordinator = NumericProfile{std::string(f[0].substr(0, 64)), detail::parse_uint<unsigned>(k, f[1], 65535)};
+    } else if (k == "timeout_ms") h.timeout_ms = detail::parse_uint<uint32_t>(k, v, 86400000);
     else if (k == "load_timeout_ms") h.load_timeout_ms = detail::parse_uint<uint32_t>(k, v, 86400000);
   }
   const std::pair<bool, const char*> required[] = {{have_fp, "fingerprint"}, {have_layer, "n_layer"},

@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "pp/core/buffer.hpp"
 #include "pp/core/error.hpp"
 #include "pp/io/gguf.hpp"
 #include "pp/io/llama_loader.hpp"
@@ -126,7 +127,7 @@ class ModelWorker {
     std::optional<Sequence> seq;
     std::optional<ModelLink> next;
     Sampler sampler;
-    std::vector<float> rows;        // [rows, n_embd] this FWD's residual
+    Buffer<float> rows;             // [>= rows, n_embd] this FWD's residual, 64-byte aligned, grown on demand
     std::vector<float> logits;      // [n_vocab] last stage
     std::vector<uint8_t> reply;     // RES payload
     uint64_t frames = 0;
@@ -239,6 +240,9 @@ class ModelWorker {
     }
     log(s.name() + " opened from " + up.peer().str() +
         (s.next ? ", next hop " + s.next->who() : ", last stage") + " (" + std::to_string(now) + " active)");
+    if (!hello.coordinator.arch.empty() && hello.coordinator.arch != simd::Best::name())
+      log(s.name() + ": the coordinator's kernels are " + hello.coordinator.arch + ", this worker's " +
+          simd::Best::name() + ": its byte-identity check is not expected to pass");
     ModelHeader r = m;
     r.type = kTypeWelcome;
     send_model_text(up, r, welcome_text);
@@ -253,7 +257,7 @@ class ModelWorker {
       fail(up, m, e.what());  // before any byte of the payload is read or allocated
     }
     const std::size_t n = m.rows;
-    s.rows.resize(n * id_.n_embd);
+    if (s.rows.size() < n * id_.n_embd) s.rows = Buffer<float>(n * id_.n_embd);  // after the checks above
     up.read_into(std::span(reinterpret_cast<uint8_t*>(s.rows.data()), m.payload_bytes), "FWD payload");
     ++s.frames;
     try {

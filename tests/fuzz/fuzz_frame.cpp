@@ -1,0 +1,218 @@
+// libFuzzer target: bytes from a peer -> PCPL frame decoding, bounds checks, handshake texts, placeholder serving.
+//
+// 1. frame.hpp / model_frame.hpp: decode_header, decode_frame, check_fwd_v1, decode_model_header,
+//    check_fwd_v2; whatever decodes must re-encode to the same bytes, whatever a check accepts must be
+//    within its limits.
+// 2. handshake.hpp: a version-2 HELLO / WELCOME / STATUS payload (or, failing that, the whole input)
+//    as handshake text; whatever decodes must survive encode -> decode unchanged and check_hello.
+// 3. placeholder_worker.hpp: the whole input as the byte stream of one connection, served by
+//    serve_placeholder over a socketpair; every reply it sends must decode as a version-1 frame.
+// Only pp::Error may escape; anything else is a finding.
+#include "fuzz_common.hpp"
+
+#include <pp/core/error.hpp>
+#include <pp/net/channel.hpp>
+#include <pp/net/frame.hpp>
+#include <pp/net/handshake.hpp>
+#include <pp/net/model_frame.hpp>
+#include <pp/net/placeholder_worker.hpp>
+#include <pp/net/socket.hpp>
+
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <sys/socket.h>
+#include <unistd.h>
+
+namespace {
+
+namespace net = pp::net;
+using pp::fuzz::fail;
+
+// Limits small enough that an accepted FWD is cheap to run (placeholder layers x payload words).
+constexpr net::FrameLimits kLimits{.max_payload = 1u << 16, .max_layer_range = 64};
+
+void frames(std::span<const uint8_t> bytes) {
+  net::FrameHeader h;
+  try {
+    h = net::decode_header(bytes);
+  } catch (const pp::FrameError&) {
+    return;
+  }
+  const auto again = net::encode_header(h);
+  if (std::memcmp(again.data(), bytes.data(), again.size()) != 0) fail("encode_header(decode_header(b)) != b");
+  try {
+    const net::FrameView v = net::decode_frame(bytes);
+    if (v.payload.size() != h.payload_bytes || v.payload.data() != bytes.data() + net::kFrameHeaderBytes ||
+        v.payload.size() > bytes.size() - net::kFrameHeaderBytes)
+      fail("decode_frame's payload is not the announced bytes after the header");
+  } catch (const pp::FrameError&) {
+    if (h.payload_bytes <= bytes.size() - net::kFrameHeaderBytes) fail("decode_frame refused a complete frame");
+  }
+  try {
+    net::check_fwd_v1(h, kLimits);
+    if (h.payload_bytes > kLimits.max_payload || h.payload_bytes % 4 != 0 || h.layer_lo > h.layer_hi ||
+        h.layer_hi - h.layer_lo > kLimits.max_layer_range)
+      fail("check_fwd_v1 accepted a header outside its limits");
+  } catch (const pp::FrameError&) {
+  }
+  if (h.version != net::kVersionModel) return;
+  net::ModelHeader m;
+  try {
+    m = net::decode_model_header(h, bytes.subspan(net::kFrameHeaderBytes));
+  } catch (const pp::FrameError&) {
+    return;
+  }
+  const auto encoded = net::encode_model_header(m);
+  // Bytes 6..7 (common reserved) and 46..47 (extension reserved) are sent as zero and ignored.
+  for (std::size_t i = 0; i < encoded.size(); ++i)
+    if (i != 6 && i != 7 && i != 46 && i != 47 && encoded[i] != bytes[i])
+      fail("encode_model_header(decode_model_header(b)) != b");
+  const net::ModelGeometry g{.n_embd = 16, .n_vocab = 32, .ctx = 64};
+  for (const bool own_range : {false, true}) {
+    try {
+      // Against an unrelated assignment, and against the frame's own range and session (deeper checks).
+      net::check_fwd_v2(m, g, own_range ? m.layer_lo : 0, own_range ? m.layer_hi : 4, own_range ? m.session : 7);
+      if (m.rows == 0 || m.rows > g.ctx || m.dtype != net::kDTypeF32 || (m.flags & ~net::kKnownFlags) ||
+          m.payload_bytes != uint64_t(m.rows) * g.n_embd * 4)
+        fail("check_fwd_v2 accepted a header outside its limits");
+    } catch (const pp::FrameError&) {
+    }
+  }
+}
+
+bool same(const net::Hello& a, const net::Hello& b) {
+  if (a.protocol != b.protocol || a.model.fingerprint != b.model.fingerprint ||
+      net::detail::clean(a.model.file) != b.model.file || a.model.n_layer != b.model.n_layer ||
+      a.model.n_embd != b.model.n_embd || a.model.n_vocab != b.model.n_vocab || a.ctx != b.ctx || a.from != b.from ||
+      a.stage != b.stage || a.chain.size() != b.chain.size() || a.sampling.temperature != b.sampling.temperature ||
+      a.sampling.top_k != b.sampling.top_k || a.sampling.top_p != b.sampling.top_p ||
+      a.sampling.min_p != b.sampling.min_p || a.sampling.seed != b.sampling.seed || a.timeout_ms != b.timeout_ms ||
+      a.load_timeout_ms != b.load_timeout_ms)
+    return false;
+  for (std::size_t i = 0; i < a.chain.size(); ++i)
+    if (a.chain[i].range.lo != b.chain[i].range.lo || a.chain[i].range.hi != b.chain[i].range.hi ||
+        a.chain[i].peer.host != b.chain[i].peer.host || a.chain[i].peer.port != b.chain[i].peer.port)
+      return false;
+  return true;
+}
+
+void handshake(std::string_view text) {
+  try {
+    const net::Hello h = net::decode_hello(text);
+    const std::string wire = net::encode_hello(h);
+    net::Hello back;
+    try {
+      back = net::decode_hello(wire);
+    } catch (const pp::Error& e) {
+      fail("decode_hello refused what encode_hello wrote", e.what());
+    }
+    if (!same(h, back)) fail("decode_hello(encode_hello(h)) != h", wire);
+    // The worker's checks against a model that matches the HELLO's geometry (so the chain is checked too).
+    net::ModelIdentity mine = h.model;
+    try {
+      net::check_hello(h, mine, 4096);
+    } catch (const net::HandshakeError&) {
+    }
+    mine.fingerprint += "x";
+    try {
+      net::check_hello(h, mine, 4096);
+      fail("check_hello accepted a different fingerprint");
+    } catch (const net::HandshakeError&) {
+    }
+  } catch (const net::HandshakeError&) {
+  }
+  try {
+    const net::Welcome w = net::decode_welcome(text);
+    const std::string wire = net::encode_welcome(w);
+    net::Welcome back;
+    try {
+      back = net::decode_welcome(wire);
+    } catch (const pp::Error& e) {
+      fail("decode_welcome refused what encode_welcome wrote", e.what());
+    }
+    if (back.stages.size() != w.stages.size()) fail("decode_welcome(encode_welcome(w)) lost stages", wire);
+    for (std::size_t i = 0; i < w.stages.size(); ++i) {
+      const net::StageReport &a = w.stages[i], &b = back.stages[i];
+      if (a.stage != b.stage || a.range.lo != b.range.lo || a.range.hi != b.range.hi ||
+          net::detail::clean(a.profile.arch) != b.profile.arch || a.profile.threads != b.profile.threads ||
+          a.ctx != b.ctx || a.bytes_used != b.bytes_used || a.where != b.where)
+        fail("decode_welcome(encode_welcome(w)) != w", wire);
+    }
+  } catch (const net::HandshakeError&) {
+  }
+}
+
+// The handshake text of a version-2 HELLO / WELCOME / STATUS frame, else the whole input.
+std::string_view handshake_text(std::span<const uint8_t> bytes) {
+  const std::string_view all(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  try {
+    const net::FrameHeader h = net::decode_header(bytes);
+    if (h.version != net::kVersionModel || bytes.size() < net::kModelHeaderBytes) return all;
+    if (h.type != net::kTypeHello && h.type != net::kTypeWelcome && h.type != net::kTypeStatus) return all;
+    const std::size_t n = std::min<std::size_t>(h.payload_bytes, bytes.size() - net::kModelHeaderBytes);
+    return all.substr(net::kModelHeaderBytes, n);
+  } catch (const pp::FrameError&) {
+    return all;
+  }
+}
+
+// The input as one connection's bytes into serve_placeholder; its replies must be well-formed frames.
+void serve(std::span<const uint8_t> bytes) {
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) fail("socketpair failed");
+  net::Fd client(sv[0]);
+  // The whole input is queued before serving (inputs stay far below the socket buffer), then the
+  // write side is shut, so every read the server makes completes or sees end of stream at once.
+  std::size_t sent = 0;
+  while (sent < bytes.size()) {
+    const ssize_t w = ::send(client.get(), bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
+    if (w <= 0) fail("socketpair send failed (input larger than the socket buffer?)");
+    sent += std::size_t(w);
+  }
+  ::shutdown(client.get(), SHUT_WR);
+  {
+    net::Channel ch(net::Fd(sv[1]), net::Peer{"fuzz", 1}, "upstream",
+                    net::Timeouts{.io = net::Millis(2000), .idle = net::Millis(2000)});
+    try {
+      net::serve_placeholder(ch, kLimits);
+    } catch (const pp::Error&) {
+    }
+  }  // closes the server's end: the replies below end with EOF
+  std::vector<uint8_t> replies;
+  uint8_t buf[65536];
+  while (true) {
+    const ssize_t r = ::recv(client.get(), buf, sizeof buf, 0);
+    if (r < 0) fail("socketpair recv failed");
+    if (r == 0) break;
+    replies.insert(replies.end(), buf, buf + r);
+  }
+  std::span<const uint8_t> rest(replies);
+  while (!rest.empty()) {
+    net::FrameView v;
+    try {
+      v = net::decode_frame(rest);
+    } catch (const pp::FrameError& e) {
+      fail("serve_placeholder sent a malformed frame", e.what());
+    }
+    if (v.header.version != net::kVersionPlaceholder || (v.header.type != net::kTypeRes && v.header.type != net::kTypeErr))
+      fail("serve_placeholder sent a frame that is neither a version-1 RES nor an ERR");
+    if (v.header.type == net::kTypeErr && v.header.payload_bytes > net::kMaxErrMessageBytes)
+      fail("serve_placeholder sent an ERR longer than kMaxErrMessageBytes");
+    rest = rest.subspan(net::kFrameHeaderBytes + v.payload.size());
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, std::size_t size) {
+  const std::span<const uint8_t> bytes(data, size);
+  frames(bytes);
+  handshake(handshake_text(bytes));
+  if (size <= 65536) serve(bytes);
+  return 0;
+}
