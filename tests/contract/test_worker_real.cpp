@@ -569,6 +569,13 @@ TEST(Equivalence, GoldenTinyBf16WireEqualsGeneratorAndGenerateFull) {
   RecordProperty("bf16_wire_max_logit_diff", std::to_string(worst));
 }
 
+// Any model given in PP_WORKER_EQUIV_MODEL (e.g. a 1B-shaped Q8_0 synth, too large for CI): 2 stages.
+TEST(Equivalence, ModelFromEnvironment) {
+  const char* model = std::getenv("PP_WORKER_EQUIV_MODEL");
+  if (!model) GTEST_SKIP() << "set PP_WORKER_EQUIV_MODEL to a GGUF to check a 2-stage worker pipeline against pp_generate";
+  expect_equal_to_generator(model, 2, {1, 17, 300, 42, 42, 7});
+}
+
 TEST(Equivalence, GoldenTinyModelDtypes) {
   for (const char* dtype : {"f16", "bf16"}) expect_equal_to_generator(golden_tiny(dtype), 2, golden_prompt("p7"));
 }
