@@ -3,6 +3,8 @@
 #include <pp/kernels/matmul.hpp>
 #include <pp/kernels/ops.hpp>
 
+#include "../common/archs.hpp"
+
 #include <gtest/gtest.h>
 
 #include <bit>
@@ -12,14 +14,7 @@
 
 namespace {
 
-template <class F, class... A>
-void for_each(pp::simd::ArchList<A...>, F&& f) {
-  (f(A{}), ...);
-}
-template <class F>
-void for_each_arch(F&& f) {
-  for_each(pp::simd::Archs{}, f);
-}
+using pp::test::for_each_arch;
 
 std::vector<float> randv(std::size_t n, std::mt19937& rng, float scale = 1.f) {
   std::normal_distribution<float> d(0.f, scale);

@@ -7,6 +7,8 @@
 
 #include "../../tools/common/synth.hpp"
 
+#include "../common/archs.hpp"
+
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -23,14 +25,7 @@ namespace {
 using pp::DType;
 namespace q = pp::quant;
 
-template <class F, class... A>
-void for_each(pp::simd::ArchList<A...>, F&& f) {
-  (f(A{}), ...);
-}
-template <class F>
-void for_each_arch(F&& f) {
-  for_each(pp::simd::Archs{}, f);
-}
+using pp::test::for_each_arch;
 
 constexpr DType kTypes[] = {DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Q5_0,
                             DType::Q5_1, DType::Q4_K, DType::Q5_K, DType::Q6_K};
