@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The test command: installs dependencies, builds the fast (native) and portable (x86-64-v2) targets,
-# runs every suite on the fast build and the unit + golden suites on the portable one, and ends with
-# one "N passed, N failed" line.
+# The test command: installs dependencies, builds the fast (native) and portable (x86-64-v2) targets
+# and a sanitized one (ASan + UBSan, gcc), runs every suite on the fast build, the unit + golden suites
+# on the portable one, the unit + golden + contract suites on the sanitized one, then (when clang is
+# installed) each libFuzzer target for 20 s (docs/HARDENING.md); ends with one "N passed, N failed" line.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/deps.sh || exit 1
@@ -20,16 +21,34 @@ run_suites() {  # build-dir, meson test args...
   rm -f "$log"
 }
 
-for cfg in "build-native:native" "build-portable:x86-64-v2"; do
-  dir=${cfg%%:*}; cpu=${cfg##*:}
+# dir:cpu:more meson options
+for cfg in "build-native:native:-Dbench=true" "build-portable:x86-64-v2:-Dbench=false" \
+           "build-asan:native:-Dbench=false -Db_sanitize=address,undefined -Db_lundef=false"; do
+  IFS=: read -r dir cpu opts <<<"$cfg"
   if [ ! -f "$dir/build.ninja" ]; then
-    meson setup "$dir" -Dcpu="$cpu" -Dbench=$([ "$cpu" = native ] && echo true || echo false) >/dev/null || { echo "meson setup $dir failed"; exit 1; }
+    meson setup "$dir" -Dcpu="$cpu" $opts >/dev/null || { echo "meson setup $dir failed"; exit 1; }
   fi
   ninja -C "$dir" || { echo "build $dir failed"; echo "0 passed, 1 failed"; exit 1; }
 done
+fuzz=false
+if command -v clang++ >/dev/null; then  # libFuzzer needs clang; only the fuzz targets are built
+  fuzz=true
+  [ -f build-fuzz/build.ninja ] || CXX=clang++ meson setup build-fuzz -Dfuzz=true -Dbench=false >/dev/null \
+    || { echo "meson setup build-fuzz failed"; exit 1; }
+  ninja -C build-fuzz fuzz || { echo "build build-fuzz failed"; echo "0 passed, 1 failed"; exit 1; }
+fi
 
 run_suites build-native
 run_suites build-portable --suite unit --suite golden
+# Any AddressSanitizer / UndefinedBehaviorSanitizer report or leak fails its test (the tools the contract
+# tests spawn are sanitized too). Sanitized code runs ~2-3x slower: timeouts x3.
+ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+  run_suites build-asan --suite unit --suite golden --suite contract --timeout-multiplier 3
+if $fuzz; then
+  PP_FUZZ_SECONDS=20 run_suites build-fuzz --no-rebuild --suite fuzz
+else
+  echo "clang++ not found: fuzz suite not run"
+fi
 
 echo "${total_ok} passed, ${total_fail} failed"
 exit $rc

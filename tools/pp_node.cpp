@@ -5,6 +5,7 @@
 #include <csignal>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <iostream>
 #include <memory>
@@ -16,7 +17,10 @@
 
 #include <CLI/CLI.hpp>
 
+#include "node/exposure.hpp"
 #include "node/model_coordinator.hpp"
+#include "node/psk.hpp"
+#include "node/serve.hpp"
 #include "pp/core/error.hpp"
 #include "pp/core/sha256.hpp"
 #include "pp/io/ollama.hpp"
@@ -278,13 +282,7 @@ int run_model_worker(const std::string& host, uint16_t port, pp::net::ModelWorke
   std::cout << "pipe worker (model '" << id.file << "', " << id.n_layer << " layers, hidden " << id.n_embd
             << ", fingerprint " << id.fingerprint.substr(0, 16) << "; layer range assigned per session)" << std::endl;
   std::cout << "pipe worker (stage B) listening on " << host << ":" << bound << "  (Ctrl-C to stop)" << std::endl;
-  if (!pp::net::is_loopback_host(host)) {
-    std::cerr << "pp_node: warning: worker bound to " << host << ":" << bound
-              << " (not loopback): any host that can reach this port may open up to " << options.max_connections
-              << " sessions, each running layers of '" << id.file << "' with a KV cache of up to "
-              << worker.max_ctx() << " positions, and name any host:port as its next hop; there is no "
-              << "authentication. Bind --host 127.0.0.1 or firewall the port unless that is intended." << std::endl;
-  }
+  pp::node::warn_if_model_worker_exposed(std::cerr, host, bound, worker, options.max_connections);
   install_stop_handlers();
   pp::net::Server server(std::move(listener), options, model_handler(worker), worker_log);
   server.serve(&g_stop_requested);
@@ -408,7 +406,42 @@ struct Cli {
   std::string logits_out;
   std::string dump_digests;
   double load_timeout_s = 120.0;
+  // hardening
+  std::string psk_file;
+  int64_t max_sessions = static_cast<int64_t>(pp::net::kDefaultMaxSessions);
+  double resume_s = 0;
+  // serving (docs/SERVING.md)
+  bool serve = false, chat = false;
+  std::string http_host = "127.0.0.1";
+  int64_t http_port = 8080;
+  int64_t parallel = 8;
+  std::string system_prompt;
+  std::string cuts_arg;  // "C1,C2,..." or "auto"
+  bool cuts_auto = false;
+  bool tokens_given = false;
 };
+
+// --cuts: "auto" or integers.
+std::vector<int> parse_cuts(const std::string& s) {
+  std::vector<int> out;
+  if (s.empty()) return out;
+  std::size_t start = 0;
+  while (start <= s.size()) {
+    const std::size_t comma = std::min(s.find(',', start), s.size());
+    const std::string item = s.substr(start, comma - start);
+    std::size_t used = 0;
+    long v = -1;
+    try {
+      v = std::stol(item, &used);
+    } catch (const std::exception&) {
+    }
+    if (item.empty() || used != item.size() || v < INT32_MIN || v > INT32_MAX)
+      throw UsageError{"--cuts: '" + item + "' is not an integer (give C1,C2,... or auto)"};
+    out.push_back(static_cast<int>(v));
+    start = comma + 1;
+  }
+  return out;
+}
 
 void require_range(const char* name, int64_t value, int64_t lo, int64_t hi) {
   if (value < lo || value > hi) {
@@ -437,6 +470,29 @@ Geometry validated_geometry(const Cli& c) {
                   static_cast<uint32_t>(c.cut), static_cast<uint32_t>(c.tokens)};
 }
 
+// --serve (HTTP) or --chat (terminal) on the chain: docs/SERVING.md.
+int run_serving(const Cli& c, const pp::node::ModelRunOptions& run, const pp::ResolvedModel& model) {
+  if (c.serve && c.chat) throw UsageError{"give --serve or --chat, not both"};
+  if (c.cut_given && c.cuts_auto) throw UsageError{"give --cut C or --cuts auto, not both"};
+  require_range("--http-port", c.http_port, 0, 65535);
+  require_range("--parallel", c.parallel, 1, static_cast<int64_t>(pp::net::kMaxMuxSessions));
+  pp::node::ServeOptions so;
+  so.chat = c.chat;
+  so.http_host = c.http_host;
+  so.http_port = static_cast<int>(c.http_port);
+  so.parallel = static_cast<std::size_t>(c.parallel);
+  so.cuts_auto = c.cuts_auto;
+  const std::size_t slash = model.path.find_last_of('/');
+  so.model_id = model.how == "ollama" ? c.model : slash == std::string::npos ? model.path : model.path.substr(slash + 1);
+  so.chat_options.system = c.system_prompt;
+  so.chat_options.max_tokens = c.tokens_given ? run.tokens : 512;
+  so.chat_options.sampling = run.sampling;
+  so.chat_options.ignore_eos = run.ignore_eos;
+  if (run.psk) so.authenticate = [psk = run.psk](pp::net::Channel& ch) { pp::net::authenticate_with_worker(ch, *psk); };
+  install_stop_handlers();
+  return pp::node::run_serve(run, so, &g_stop_requested);
+}
+
 // Real-model mode: --hidden and --layers come from the model, the cuts are checked against it.
 int run_model(const Cli& c, const pp::net::ServerOptions& options, Millis timeout) {
   require_range("--tokens", c.tokens, 1, UINT32_MAX);
@@ -444,6 +500,14 @@ int run_model(const Cli& c, const pp::net::ServerOptions& options, Millis timeou
   require_range("--max-ctx", c.max_ctx, 0, pp::llama::kMaxCtx);
   if (!(c.load_timeout_s > 0)) throw UsageError{"--load-timeout must be > 0 seconds"};
   if (c.cut_given && !c.cuts.empty()) throw UsageError{"give --cut C or --cuts C1,C2,..., not both"};
+  require_range("--max-sessions", c.max_sessions, 1, 65536);
+  if (!(c.resume_s >= 0 && c.resume_s <= 86400)) throw UsageError{"--resume must be in [0, 86400] seconds"};
+  std::shared_ptr<const pp::net::PresharedKey> psk;
+  try {
+    psk = pp::node::load_psk(c.psk_file);  // read once; the bytes are never printed
+  } catch (const pp::Error& e) {
+    throw UsageError{e.what()};
+  }
   const pp::ResolvedModel model = pp::resolve_model(c.model);
   if (model.how == "ollama") std::cout << "model: " << c.model << " -> " << model.path << std::endl;
 
@@ -453,6 +517,8 @@ int run_model(const Cli& c, const pp::net::ServerOptions& options, Millis timeou
   wopt.max_ctx = static_cast<uint32_t>(c.max_ctx);
   wopt.link = pp::net::Timeouts{timeout, timeout};
   wopt.load_wait = seconds_to_millis(c.load_timeout_s);
+  wopt.max_sessions = static_cast<std::size_t>(c.max_sessions);
+  wopt.psk = psk;
   if (c.worker) return run_model_worker(c.host, static_cast<uint16_t>(c.port), wopt, options);
 
   pp::node::ModelRunOptions run;
@@ -483,11 +549,15 @@ int run_model(const Cli& c, const pp::net::ServerOptions& options, Millis timeou
   run.dump_digests = c.dump_digests;
   run.timeouts = pp::net::Timeouts{timeout, timeout};
   run.load_wait = wopt.load_wait;
+  run.psk = psk;
+  run.resume = c.resume_s > 0 ? seconds_to_millis(c.resume_s) : Millis{0};
   if (c.selftest) {
     const std::size_t n_workers = c.cuts.empty() ? 1 : c.cuts.size();
     return run_model_selftest(std::move(run), n_workers, wopt, options);
   }
   run.workers = parse_workers(c.coordinator, static_cast<uint16_t>(c.port));
+  if (c.serve || c.chat) return run_serving(c, run, model);
+  if (c.cuts_auto) throw UsageError{"--cuts auto needs --serve or --chat"};
   return pp::node::run_model_coordinator(run);
 }
 
@@ -509,6 +579,11 @@ int run(const Cli& c) {
     return run_model(c, options, timeout);
   }
   if (!c.cuts.empty()) throw UsageError{"--cuts needs --model (the placeholder has two stages: use --cut)"};
+  if (!c.psk_file.empty())
+    throw UsageError{"--psk-file needs --model: the placeholder protocol (version 1) has no authentication"};
+  if (const char* env = std::getenv(pp::node::kPskEnv); env && *env)
+    std::cerr << "pp_node: warning: " << pp::node::kPskEnv
+              << " is ignored without --model: the placeholder protocol (version 1) has no authentication" << std::endl;
   const Geometry g = validated_geometry(c);
   require_range("--port", c.port, c.worker ? 0 : 1, 65535);
 
@@ -566,8 +641,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   // Real model.
   app.add_option("--model", c.model, "GGUF file or Ollama tag: run the real model")->type_name("PATH|TAG");
-  app.add_option("--cuts", c.cuts, "with --model: stage boundaries C1,C2,... (one per worker; default even)")
-      ->delimiter(',');
+  app.add_option("--cuts", c.cuts_arg,
+                 "with --model: stage boundaries C1,C2,... (one per worker; default even), or auto (--serve, "
+                 "--chat: time every stage and split in proportion)");
   app.add_option("--prompt", c.prompt, "with --model: prompt text (default 'The capital of France is')");
   app.add_option("--prompt-ids", c.prompt_ids, "with --model: prompt token ids, comma-separated");
   app.add_option("--verify", c.verify,
@@ -592,9 +668,35 @@ int main(int argc, char** argv) {
                  "coordinator: write 'position token sha256-of-logits' per generated token");
   app.add_option("--load-timeout", c.load_timeout_s, "seconds a handshake may wait for workers to load their layers")
       ->capture_default_str();
+  // Hardening (docs/HARDENING.md).
+  app.add_option("--psk-file", c.psk_file,
+                 "with --model: a pre-shared key (16 to 4096 bytes; default: $PP_NODE_PSK) every connection must "
+                 "prove it holds before anything else, both ways; give every end the same one")
+      ->type_name("FILE");
+  app.add_option("--max-sessions", c.max_sessions, "worker: sessions kept at once; a HELLO beyond is refused")
+      ->capture_default_str();
+  app.add_option("--resume", c.resume_s,
+                 "coordinator: when the chain fails mid-generation, keep re-establishing it for up to this many "
+                 "seconds and replay the session into it (0 = stop with the error)")
+      ->capture_default_str();
+  // Serving.
+  app.add_flag("--serve", c.serve,
+               "coordinator: serve the OpenAI API over HTTP (POST /v1/completions, /v1/chat/completions; "
+               "GET /v1/models, /health, /metrics)");
+  app.add_flag("--chat", c.chat, "coordinator: an interactive chat in this terminal (the model's chat template)");
+  app.add_option("--http-host", c.http_host, "--serve: bind address (not loopback: anyone who reaches it may use it)")
+      ->capture_default_str();
+  app.add_option("--http-port", c.http_port, "--serve: port (0: an ephemeral one, printed)")->capture_default_str();
+  app.add_option("--parallel", c.parallel,
+                 "--serve: generations decoding at once (each a session on every worker; keep it below the "
+                 "workers' --max-sessions); more wait in a queue")
+      ->capture_default_str();
+  app.add_option("--system", c.system_prompt, "--chat: a system message");
+  auto* tokens_opt = app.get_option("--tokens");
   try {
     app.parse(argc, argv);
     c.cut_given = cut_opt->count() > 0;
+    c.tokens_given = tokens_opt->count() > 0;
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
@@ -604,6 +706,8 @@ int main(int argc, char** argv) {
 
   const char* role = c.selftest ? "selftest" : c.worker ? "worker" : "coordinator";
   try {
+    c.cuts_auto = c.cuts_arg == "auto";
+    if (!c.cuts_auto) c.cuts = parse_cuts(c.cuts_arg);
     return run(c);
   } catch (const UsageError& e) {
     std::cerr << "pp_node: error: " << e.message << "\nRun with --help for more information." << std::endl;

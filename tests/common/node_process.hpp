@@ -243,6 +243,11 @@ class RawSocket {
     fd_ = -1;
   }
 
+  // Half-closes: the peer reads end-of-stream, but this end can still read its replies.
+  void shutdown_write() { ::shutdown(fd_, SHUT_WR); }
+
+  int fd() const { return fd_; }
+
  private:
   int fd_ = -1;
   bool connected_ = false;

@@ -123,6 +123,13 @@ class Worker {
     in_ = -1;
   }
 
+  // Closes the read end of the child's stdout: its next write fails (EPIPE, or SIGPIPE if not ignored).
+  void close_stdout() {
+    if (out_ >= 0) ::close(out_);
+    out_ = -1;
+    eof_ = true;
+  }
+
   // The next stdout line (without '\n'), or nullopt after `timeout` seconds or at EOF.
   std::optional<std::string> line(double timeout = kTimeout) {
     const auto t0 = Clock::now();

@@ -25,6 +25,7 @@
 
 #include "../../tools/common/synth.hpp"
 #include "../common/fixtures.hpp"
+#include "../common/node_model_client.hpp"
 #include "../common/node_process.hpp"
 #include "pp/core/sha256.hpp"
 #include "pp/io/gguf.hpp"
@@ -50,10 +51,7 @@ using pp::test::RunResult;
 
 // ---------------------------------------------------------------- models
 
-std::string node_bin() {
-  const char* p = std::getenv("PP_NODE_BIN");
-  return p ? p : "";
-}
+using pp::test::node_bin;
 std::string generate_bin() {
   const char* p = std::getenv("PP_GENERATE_BIN");
   return p ? p : "";
@@ -214,110 +212,13 @@ Reference reference(const std::string& model, const std::vector<int>& cuts, cons
 
 // ---------------------------------------------------------------- a raw version-2 client
 
-struct V2Frame {
-  uint8_t version = 0;
-  pp::net::ModelHeader m;
-  std::vector<uint8_t> payload;
-  std::string text() const { return std::string(payload.begin(), payload.end()); }
-};
-
-class V2Client : public RawSocket {
- public:
-  using RawSocket::RawSocket;
-
-  bool send_frame(pp::net::ModelHeader h, const std::vector<uint8_t>& payload) {
-    h.payload_bytes = static_cast<uint32_t>(payload.size());
-    const auto head = pp::net::encode_model_header(h);
-    std::vector<uint8_t> b(head.begin(), head.end());
-    b.insert(b.end(), payload.begin(), payload.end());
-    return send(b);
-  }
-  bool send_text(uint8_t type, uint64_t session, const std::string& text) {
-    pp::net::ModelHeader h;
-    h.type = type;
-    h.session = session;
-    return send_frame(h, std::vector<uint8_t>(text.begin(), text.end()));
-  }
-
-  // A version-1 or version-2 frame (the header's version says which layout follows).
-  std::optional<V2Frame> read_frame(Millis timeout = 5s) {
-    const auto head = read_n(24, timeout);
-    if (!head) return std::nullopt;
-    const pp::net::FrameHeader h = pp::net::decode_header(*head);
-    V2Frame f;
-    f.version = h.version;
-    if (h.version == 2) {
-      const auto ext = read_n(24, timeout);
-      if (!ext) return std::nullopt;
-      f.m = pp::net::decode_model_header(h, *ext);
-    } else {
-      f.m.type = h.type;
-      f.m.seq = h.seq;
-      f.m.payload_bytes = h.payload_bytes;
-    }
-    if (f.m.payload_bytes > (64u << 20)) return std::nullopt;
-    if (f.m.payload_bytes) {
-      auto p = read_n(f.m.payload_bytes, timeout);
-      if (!p) return std::nullopt;
-      f.payload = std::move(*p);
-    }
-    return f;
-  }
-
-  // STATUS as key -> value.
-  std::map<std::string, std::string> status() {
-    std::map<std::string, std::string> kv;
-    if (!send_text(pp::net::kTypeStatus, 0, "")) return kv;
-    const auto f = read_frame();
-    if (!f || f->m.type != pp::net::kTypeStatus) return kv;
-    std::stringstream ss(f->text());
-    std::string line;
-    while (std::getline(ss, line)) {
-      const auto eq = line.find('=');
-      if (eq != std::string::npos) kv[line.substr(0, eq)] = line.substr(eq + 1);
-    }
-    return kv;
-  }
-};
-
-pp::net::ModelIdentity identity_of(const std::string& model) {
-  pp::MappedFile f(model);
-  const pp::gguf::File g = pp::gguf::parse(f.bytes());
-  return pp::net::identify_model(f.bytes(), g, pp::llama::read_config(g), model);
-}
-
-// A HELLO for a single worker at `port` running [lo, hi), coming from a sender whose layers end at `from`.
-pp::net::Hello hello_for(const std::string& model, uint16_t port, int lo, int hi, uint32_t from) {
-  pp::net::Hello h;
-  h.model = identity_of(model);
-  h.ctx = 256;
-  h.from = from;
-  h.stage = 1;
-  h.chain.push_back(pp::net::Hop{pp::LayerRange{lo, hi}, pp::net::Peer{"127.0.0.1", port}});
-  return h;
-}
-
-// HELLO on `c` and its answer.
-std::optional<V2Frame> handshake(V2Client& c, const pp::net::Hello& h, uint64_t session = 42) {
-  if (!c.send_text(pp::net::kTypeHello, session, pp::net::encode_hello(h))) return std::nullopt;
-  return c.read_frame(10s);
-}
-
-std::size_t active_sessions(uint16_t port) {
-  V2Client c(port);
-  const auto kv = c.status();
-  const auto it = kv.find("sessions_active");
-  return it == kv.end() ? SIZE_MAX : std::stoul(it->second);
-}
-
-bool wait_sessions(uint16_t port, std::size_t want, Millis timeout) {
-  const auto deadline = Clock::now() + timeout;
-  while (active_sessions(port) != want) {
-    if (Clock::now() > deadline) return false;
-    std::this_thread::sleep_for(20ms);
-  }
-  return true;
-}
+using pp::test::active_sessions;
+using pp::test::handshake;
+using pp::test::hello_for;
+using pp::test::identity_of;
+using pp::test::V2Client;
+using pp::test::V2Frame;
+using pp::test::wait_sessions;
 
 // ================================================================ frame and handshake units
 

@@ -3,23 +3,32 @@
 // 1. frame.hpp / model_frame.hpp: decode_header, decode_frame, check_fwd_v1, decode_model_header,
 //    check_fwd_v2; whatever decodes must re-encode to the same bytes, whatever a check accepts must be
 //    within its limits.
-// 2. handshake.hpp: a version-2 HELLO / WELCOME / STATUS payload (or, failing that, the whole input)
-//    as handshake text; whatever decodes must survive encode -> decode unchanged and check_hello.
-// 3. placeholder_worker.hpp: the whole input as the byte stream of one connection, served by
+// 2. mux_frame.hpp: a version-2 BATCH through check_batch_header / check_batch_count / its entry
+//    table / check_batch_entries, whose acceptance must imply the documented bounds.
+// 3. handshake.hpp: a version-2 HELLO / WELCOME / STATUS / OPEN payload (or, failing that, the whole
+//    input) as handshake text; whatever decodes must survive encode -> decode unchanged and check_hello.
+// 4. placeholder_worker.hpp: the whole input as the byte stream of one connection, served by
 //    serve_placeholder over a socketpair; every reply it sends must decode as a version-1 frame.
+// 5. auth.hpp: the whole input as what the upstream sends to admit_upstream (worker side), and as
+//    what the worker answers to authenticate_with_worker (upstream side). Neither may return: the
+//    input does not hold the key, and every exchange uses fresh nonces.
 // Only pp::Error may escape; anything else is a finding.
 #include "fuzz_common.hpp"
 
 #include <pp/core/error.hpp>
+#include <pp/net/auth.hpp>
 #include <pp/net/channel.hpp>
 #include <pp/net/frame.hpp>
 #include <pp/net/handshake.hpp>
 #include <pp/net/model_frame.hpp>
+#include <pp/net/mux_frame.hpp>
 #include <pp/net/placeholder_worker.hpp>
 #include <pp/net/socket.hpp>
 
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -85,6 +94,45 @@ void frames(std::span<const uint8_t> bytes) {
   }
 }
 
+// A BATCH: header checks, then the entry count, the table and the entries, as a mux worker reads them.
+void batch(std::span<const uint8_t> bytes) {
+  if (bytes.size() < net::kModelHeaderBytes) return;
+  net::ModelHeader m;
+  try {
+    const net::FrameHeader h = net::decode_header(bytes);
+    if (h.version != net::kVersionModel || h.type != net::kTypeBatch) return;
+    m = net::decode_model_header(h, bytes.subspan(net::kFrameHeaderBytes));
+  } catch (const pp::FrameError&) {
+    return;
+  }
+  const net::ModelGeometry g{.n_embd = 4, .n_vocab = 32, .ctx = 64};
+  const std::span<const uint8_t> payload = bytes.subspan(net::kModelHeaderBytes);
+  try {
+    net::check_batch_header(m, g, m.layer_lo, m.layer_hi, m.session);
+    if (m.rows == 0 || m.rows > g.ctx || m.flags != 0 || m.dtype != net::kDTypeF32)
+      fail("check_batch_header accepted a header outside its limits");
+    if (payload.size() < 4) return;
+    const uint32_t n = net::detail::get_be32(payload.data());
+    net::check_batch_count(m, n, g.n_embd);
+    if (n == 0 || n > net::kMaxBatchEntries || n > m.rows || m.payload_bytes != net::batch_payload_bytes(n, m.rows, g.n_embd))
+      fail("check_batch_count accepted a count outside its limits");
+    if (payload.size() < 4 + std::size_t(n) * net::kBatchEntryBytes) return;
+    std::vector<net::BatchEntry> entries;
+    for (uint32_t i = 0; i < n; ++i)
+      entries.push_back(net::decode_batch_entry(
+          payload.subspan(4 + std::size_t(i) * net::kBatchEntryBytes).first<net::kBatchEntryBytes>()));
+    const std::vector<uint8_t> table = net::encode_batch_table(entries);
+    for (std::size_t i = 0; i < table.size(); ++i)  // bytes 21..23 of each entry are reserved
+      if ((i < 4 || (i - 4) % net::kBatchEntryBytes < 21) && table[i] != payload[i])
+        fail("encode_batch_table(decoded entries) != the table");
+    net::check_batch_entries(m, entries);
+    uint64_t rows = 0;
+    for (const net::BatchEntry& e : entries) rows += e.rows;
+    if (rows != m.rows) fail("check_batch_entries accepted entries whose rows do not add up");
+  } catch (const pp::FrameError&) {
+  }
+}
+
 bool same(const net::Hello& a, const net::Hello& b) {
   if (a.protocol != b.protocol || a.model.fingerprint != b.model.fingerprint ||
       net::detail::clean(a.model.file) != b.model.file || a.model.n_layer != b.model.n_layer ||
@@ -145,6 +193,20 @@ void handshake(std::string_view text) {
     }
   } catch (const net::HandshakeError&) {
   }
+  try {
+    const pp::SamplingParams sp = net::decode_sampling(text);
+    const std::string wire = net::encode_sampling(sp);
+    pp::SamplingParams back;
+    try {
+      back = net::decode_sampling(wire);
+    } catch (const pp::Error& e) {
+      fail("decode_sampling refused what encode_sampling wrote", e.what());
+    }
+    if (back.temperature != sp.temperature || back.top_k != sp.top_k || back.top_p != sp.top_p ||
+        back.min_p != sp.min_p || back.seed != sp.seed)
+      fail("decode_sampling(encode_sampling(s)) != s", wire);
+  } catch (const net::HandshakeError&) {
+  }
 }
 
 // The handshake text of a version-2 HELLO / WELCOME / STATUS frame, else the whole input.
@@ -153,7 +215,9 @@ std::string_view handshake_text(std::span<const uint8_t> bytes) {
   try {
     const net::FrameHeader h = net::decode_header(bytes);
     if (h.version != net::kVersionModel || bytes.size() < net::kModelHeaderBytes) return all;
-    if (h.type != net::kTypeHello && h.type != net::kTypeWelcome && h.type != net::kTypeStatus) return all;
+    if (h.type != net::kTypeHello && h.type != net::kTypeWelcome && h.type != net::kTypeStatus &&
+        h.type != net::kTypeOpen)
+      return all;
     const std::size_t n = std::min<std::size_t>(h.payload_bytes, bytes.size() - net::kModelHeaderBytes);
     return all.substr(net::kModelHeaderBytes, n);
   } catch (const pp::FrameError&) {
@@ -161,36 +225,45 @@ std::string_view handshake_text(std::span<const uint8_t> bytes) {
   }
 }
 
-// The input as one connection's bytes into serve_placeholder; its replies must be well-formed frames.
-void serve(std::span<const uint8_t> bytes) {
+// Runs `serve` on the server end of a socketpair whose client end has sent `bytes` and shut its
+// write side (so every read completes or sees end of stream at once); returns what the server sent.
+template <class Serve>
+std::vector<uint8_t> over_connection(std::span<const uint8_t> bytes, Serve&& serve) {
   int sv[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) fail("socketpair failed");
   net::Fd client(sv[0]);
-  // The whole input is queued before serving (inputs stay far below the socket buffer), then the
-  // write side is shut, so every read the server makes completes or sees end of stream at once.
-  std::size_t sent = 0;
+  std::size_t sent = 0;  // inputs stay far below the socket buffer
   while (sent < bytes.size()) {
     const ssize_t w = ::send(client.get(), bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
     if (w <= 0) fail("socketpair send failed (input larger than the socket buffer?)");
     sent += std::size_t(w);
   }
   ::shutdown(client.get(), SHUT_WR);
-  {
-    net::Channel ch(net::Fd(sv[1]), net::Peer{"fuzz", 1}, "upstream",
-                    net::Timeouts{.io = net::Millis(2000), .idle = net::Millis(2000)});
+  std::vector<uint8_t> replies;
+  net::Channel ch(net::Fd(sv[1]), net::Peer{"fuzz", 1}, "upstream",
+                  net::Timeouts{.io = net::Millis(2000), .idle = net::Millis(2000)});
+  serve(ch);
+  // Every reply is queued by now. Read them before the server's end closes: closing a unix socket
+  // with unread input resets the peer, which could drop them.
+  uint8_t buf[65536];
+  while (true) {
+    const ssize_t r = ::recv(client.get(), buf, sizeof buf, MSG_DONTWAIT);
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+    if (r < 0) fail("socketpair recv failed", std::strerror(errno));
+    if (r == 0) break;
+    replies.insert(replies.end(), buf, buf + r);
+  }
+  return replies;
+}
+
+// The input as one connection's bytes into serve_placeholder; its replies must be well-formed frames.
+void serve(std::span<const uint8_t> bytes) {
+  const std::vector<uint8_t> replies = over_connection(bytes, [](net::Channel& ch) {
     try {
       net::serve_placeholder(ch, kLimits);
     } catch (const pp::Error&) {
     }
-  }  // closes the server's end: the replies below end with EOF
-  std::vector<uint8_t> replies;
-  uint8_t buf[65536];
-  while (true) {
-    const ssize_t r = ::recv(client.get(), buf, sizeof buf, 0);
-    if (r < 0) fail("socketpair recv failed");
-    if (r == 0) break;
-    replies.insert(replies.end(), buf, buf + r);
-  }
+  });
   std::span<const uint8_t> rest(replies);
   while (!rest.empty()) {
     net::FrameView v;
@@ -207,12 +280,37 @@ void serve(std::span<const uint8_t> bytes) {
   }
 }
 
+// Both ends of the AUTH exchange against bytes that do not hold the key: each must refuse.
+void auth(std::span<const uint8_t> bytes) {
+  static const net::PresharedKey key("fuzz-key-0123456789abcdef", "fuzz");
+  over_connection(bytes, [](net::Channel& ch) {
+    try {
+      const std::optional<net::ModelHeader> first = net::detail::read_auth_header(ch);
+      if (!first) return;
+      net::admit_upstream(ch, *first, key);
+      fail("admit_upstream admitted an upstream that does not hold the key");
+    } catch (const pp::Error&) {
+    }
+  });
+  over_connection(bytes, [](net::Channel& ch) {
+    try {
+      net::authenticate_with_worker(ch, key);
+      fail("authenticate_with_worker accepted a worker that does not hold the key");
+    } catch (const pp::Error&) {
+    }
+  });
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, std::size_t size) {
   const std::span<const uint8_t> bytes(data, size);
   frames(bytes);
+  batch(bytes);
   handshake(handshake_text(bytes));
-  if (size <= 65536) serve(bytes);
+  if (size <= 65536) {
+    serve(bytes);
+    auth(bytes);
+  }
   return 0;
 }

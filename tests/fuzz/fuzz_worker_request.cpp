@@ -1,11 +1,13 @@
-// libFuzzer target: request lines -> pp_worker's Server::handle in stub mode -> one well-formed reply each.
+// libFuzzer target: request lines -> pp_worker's Server::handle, stub and real mode -> one well-formed reply each.
 //
 // The input is split into lines as pp_worker's LineReader does; every non-blank line goes through
 // Server::handle (the function the serving loop calls: parse, validate, dispatch, encode) of four
-// stub workers: first (bf16 wire), middle (f16), last (bf16) and a single stage (f16). Each reply
+// stub workers (first with a bf16 wire, middle f16, last bf16, last of two f16) and three real ones
+// on golden-tiny-f32.gguf (first of two, middle of three, last of two; ctx 64, one thread). Each reply
 // must be one JSON object line whose request_id echoes the request's, carrying either a result or
 // an error that is not an escaped exception ("internal error", "out of memory"). Also checked:
-// the hidden_b64 fast-path scanner agrees with the JSON parser, and base64 decoding is canonical.
+// the hidden_b64 fast-path scanner agrees with the JSON parser, a successful hidden_b64 request
+// padded past 64 KB (the raw path) gets the same reply, and base64 decoding is canonical.
 #include "fuzz_common.hpp"
 
 #include "worker/backend.hpp"
@@ -13,6 +15,7 @@
 #include "worker/events.hpp"
 #include "worker/line_io.hpp"
 #include "worker/protocol.hpp"
+#include "worker/real_backend.hpp"
 #include "worker/server.hpp"
 #include "worker/startup.hpp"
 #include "worker/stub_backend.hpp"
@@ -35,8 +38,10 @@ namespace worker = pp::worker;
 using pp::fuzz::fail;
 
 struct Stage {
-  std::unique_ptr<worker::StubBackend> backend;
+  std::unique_ptr<worker::Backend> backend;
   std::unique_ptr<worker::Server> server;
+  int hidden_dim = 0;
+  bool real = false;
 };
 
 struct World {
@@ -45,35 +50,55 @@ struct World {
   worker::ServeStats stats;
   std::vector<Stage> stages;
 
+  void add(const worker::WorkerConfig& cfg, std::unique_ptr<worker::Backend> backend) {
+    Stage st;
+    st.hidden_dim = backend->geometry().hidden_dim;
+    st.real = !cfg.stub;
+    st.backend = std::move(backend);
+    st.server = std::make_unique<worker::Server>(*st.backend, cfg, sink, events, stats);
+    stages.push_back(std::move(st));
+  }
+
   World() {
-    const struct {
+    struct Shape {
       int stage, num_stages;
       worker::WireDtype dtype;
-    } shapes[] = {{0, 3, worker::WireDtype::bf16},
-                  {1, 3, worker::WireDtype::f16},
-                  {2, 3, worker::WireDtype::bf16},
-                  {0, 1, worker::WireDtype::f16}};
-    for (const auto& s : shapes) {
+    };
+    for (const Shape& s : {Shape{0, 3, worker::WireDtype::bf16}, Shape{1, 3, worker::WireDtype::f16},
+                           Shape{2, 3, worker::WireDtype::bf16}, Shape{1, 2, worker::WireDtype::f16}}) {
       worker::WorkerConfig cfg;
-      cfg.stage = s.stage;
-      cfg.num_stages = s.num_stages;
-      cfg.stub = true;
-      cfg.ctx = 256;  // small: a line can ask for ctx rows, and each row is 16 values
-      cfg.wire_dtype = s.dtype;
-      Stage st;
-      st.backend = std::make_unique<worker::StubBackend>(cfg.stage, cfg.num_stages, *cfg.ctx, 0);
-      st.server = std::make_unique<worker::Server>(*st.backend, cfg, sink, events, stats);
-      stages.push_back(std::move(st));
+      cfg.stage = s.stage, cfg.num_stages = s.num_stages, cfg.stub = true, cfg.wire_dtype = s.dtype;
+      cfg.ctx = 256;  // small: a line can ask for ctx rows
+      add(cfg, std::make_unique<worker::StubBackend>(cfg.stage, cfg.num_stages, *cfg.ctx, 0));
+    }
+    const std::string model = (pp::fuzz::test_data() / "golden-tiny" / "golden-tiny-f32.gguf").string();
+    for (const Shape& s : {Shape{0, 2, worker::WireDtype::bf16}, Shape{1, 3, worker::WireDtype::f16},
+                           Shape{1, 2, worker::WireDtype::bf16}}) {
+      worker::WorkerConfig cfg;
+      cfg.stage = s.stage, cfg.num_stages = s.num_stages, cfg.wire_dtype = s.dtype;
+      cfg.ctx = 64, cfg.threads = 1;
+      add(cfg, std::make_unique<worker::RealBackend>(cfg, model));
     }
   }
 };
+
+// Real mode runs a generate_full of max_tokens forward passes: keep those requests short.
+// (max_tokens itself is bounded only by INT32_MAX: see docs/HARDENING.md, "Findings".)
+bool too_slow_for_real_mode(std::string_view line) {
+  const nlohmann::json doc = nlohmann::json::parse(line, nullptr, false);
+  if (doc.is_discarded() || !doc.is_object()) return false;
+  const auto op = doc.find("op");
+  if (op == doc.end() || *op != "generate_full") return false;
+  const auto max = doc.find("max_tokens");
+  return max != doc.end() && max->is_number_integer() && max->get<int64_t>() > 16;
+}
 
 World& world() {
   static World w;
   return w;
 }
 
-void check_reply(std::string_view line, const std::string& reply, const worker::ordered_json& info) {
+void check_reply(std::string_view line, const std::string& reply, const worker::ordered_json& info, int hidden_dim) {
   if (reply.empty() || reply.back() != '\n' || reply.find('\n') != reply.size() - 1)
     fail("reply is not exactly one line", reply);
   nlohmann::json r;
@@ -102,7 +127,7 @@ void check_reply(std::string_view line, const std::string& reply, const worker::
     const int64_t seq_len = r.value("seq_len", int64_t(-1));
     if (seq_len < 1 || !r["hidden_b64"].is_string() ||
         r["hidden_b64"].get_ref<const std::string&>().size() !=
-            worker::base64::encoded_size(size_t(seq_len) * worker::StubBackend::kHidden * worker::kWireBytesPerValue))
+            worker::base64::encoded_size(size_t(seq_len) * size_t(hidden_dim) * worker::kWireBytesPerValue))
       fail("hidden reply's size disagrees with its seq_len", reply);
   }
 }
@@ -146,11 +171,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, std::size_t size) {
     for (char c : line) blank = blank && worker::is_ascii_space(c);
     if (blank) continue;
     check_raw_scanner(line);
+    const bool skip_real = too_slow_for_real_mode(line);
     for (Stage& st : w.stages) {
+      if (st.real && skip_real) continue;
       worker::OpTiming t;
       worker::ordered_json info = {{"op", nullptr}};
       const std::string reply = st.server->handle(line, t, info);
-      check_reply(line, reply, info);
+      check_reply(line, reply, info, st.hidden_dim);
+      // The same request padded past kRawFieldMinLine takes the raw hidden_b64 path (stub stages are
+      // stateless, so the answer must not change).
+      if (!st.real && info.value("ok", false) && line.find("hidden_b64") != std::string_view::npos &&
+          line.size() < worker::kRawFieldMinLine) {
+        std::string padded(line);
+        padded.resize(worker::kRawFieldMinLine, ' ');
+        worker::ordered_json info2 = {{"op", nullptr}};
+        if (st.server->handle(padded, t, info2) != reply) fail("the raw hidden_b64 path answers differently", line);
+      }
     }
   }
   return 0;

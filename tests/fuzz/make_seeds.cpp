@@ -12,9 +12,11 @@
 #include <pp/io/gguf_writer.hpp>
 #include <pp/io/mmap.hpp>
 #include <pp/kernels/quant.hpp>
+#include <pp/net/auth.hpp>
 #include <pp/net/frame.hpp>
 #include <pp/net/handshake.hpp>
 #include <pp/net/model_frame.hpp>
+#include <pp/net/mux_frame.hpp>
 #include <pp/net/placeholder.hpp>
 
 #include <nlohmann/json.hpp>
@@ -485,6 +487,33 @@ void frame_seeds(const fs::path& dir) {
   }
   m.type = net::kTypeRes, m.flags = net::kFlagDigest | net::kFlagLogits, m.dtype = 0;
   seed("v2-res", v2(m, std::string(4 + 32 + 32 * 4, '\x01')));
+  {
+    // A BATCH of two sessions (1 + 2 rows of 4 values), and an OPEN with sampling parameters.
+    net::ModelHeader b;
+    b.type = net::kTypeBatch, b.seq = 9, b.layer_lo = 0, b.layer_hi = 2, b.session = 5, b.rows = 3;
+    const std::vector<net::BatchEntry> entries = {{11, 0, 1, 0}, {12, 7, 2, 0}};
+    const Bytes table = net::encode_batch_table(entries);
+    std::string payload(table.begin(), table.end());
+    payload.append(3 * 4 * 4, '\0');
+    seed("v2-batch", v2(b, payload));
+    net::ModelHeader o;
+    o.type = net::kTypeOpen, o.session = 11;
+    seed("v2-open", v2(o, net::encode_sampling(hello.sampling)));
+  }
+  {
+    // The AUTH exchange: step 1 then step 3 (what an upstream sends), step 2 (what a worker answers).
+    net::ModelHeader a;
+    a.type = net::kTypeAuth, a.seq = net::kAuthChallenge;
+    Bytes up = v2(a, std::string(net::kNonceBytes, '\x5a'));
+    a.seq = net::kAuthFinish;
+    const Bytes finish = v2(a, std::string(net::kProofBytes, '\x3c'));
+    up.insert(up.end(), finish.begin(), finish.end());
+    seed("v2-auth-upstream", up);
+    a.seq = net::kAuthResponse;
+    seed("v2-auth-worker", v2(a, std::string(net::kNonceBytes + net::kProofBytes, '\x7e')));
+    a.type = net::kTypeErr, a.seq = 0;
+    seed("v2-auth-err", v2(a, "authentication failed: different keys"));
+  }
   seed("hello-text", [&] {
     const std::string t = net::encode_hello(hello);
     return Bytes(t.begin(), t.end());

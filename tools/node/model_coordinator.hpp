@@ -12,6 +12,7 @@
 #include <random>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "pp/core/buffer.hpp"
@@ -21,6 +22,7 @@
 #include "pp/io/llama_loader.hpp"
 #include "pp/io/mmap.hpp"
 #include "pp/model/local_pipeline.hpp"
+#include "pp/net/auth.hpp"
 #include "pp/net/handshake.hpp"
 #include "pp/net/latency.hpp"
 #include "pp/net/model_frame.hpp"
@@ -63,6 +65,10 @@ struct ModelRunOptions {
   std::string dump_digests;         // "pos token sha256" lines
   net::Timeouts timeouts;
   net::Millis load_wait{120000};
+  std::shared_ptr<const net::PresharedKey> psk;  // when set, every worker must prove it holds it (auth.hpp)
+  // After the chain fails mid-generation, keep re-establishing it this long and replay the session into
+  // it (detail::resume_chain); 0 = stop with the error.
+  net::Millis resume{0};
 };
 
 namespace detail {
@@ -173,6 +179,7 @@ inline Chain connect_chain(const ModelRunOptions& o, const std::vector<int>& cut
   hello.load_timeout_ms = ms(o.load_wait);
   c.session = random_session_id();
   c.link = std::make_unique<net::ModelLink>(c.hops.front(), 1, o.timeouts, net::reply_wait(o.timeouts.io, c.hops.size()));
+  if (o.psk) c.link->authenticate(*o.psk);  // before HELLO: nothing about the run goes to an impostor
   c.link->send_hello(hello, c.session);
   c.welcome = c.link->read_welcome(net::reply_wait(o.load_wait, c.hops.size()));
   const std::string& who = c.link->who();
@@ -272,6 +279,9 @@ struct RunStats {
   std::vector<double> rtt_ms;  // FWD sent to RES received, per generated token
   double prefill_s = 0, decode_s = 0;
   uint64_t prefill_bytes = 0, total_bytes = 0;  // frame bytes on the first hop, both directions
+  std::size_t resumes = 0, replayed = 0;        // chains re-established, positions replayed into them
+  double resume_s = 0;
+  uint64_t replay_bytes = 0;                    // handshakes and replays after a failure (not in total_bytes)
 };
 
 inline void print_report(const RunStats& s, const Config& cfg, std::size_t n_hops, const std::string& verify_note) {
@@ -294,11 +304,104 @@ inline void print_report(const RunStats& s, const Config& cfg, std::size_t n_hop
             << " bytes per hop\n";
   std::cout << "  tokens:";
   for (int32_t t : s.generated) std::cout << ' ' << t;
+  if (s.resumes)
+    std::cout << "\n  resumed: " << s.resumes << " time(s) after a chain failure, " << s.replayed
+              << " positions replayed in " << fixed(s.resume_s * 1e3) << " ms, every replayed token identical";
   std::cout << "\n  verify: " << verify_note << "\n";
   std::cout << "\n"
             << s.generated.size() << " tokens  round-trip ms: min " << fixed(*lo) << "  p50 "
             << fixed(net::percentile(s.rtt_ms, 50)) << "  p99 " << fixed(net::percentile(s.rtt_ms, 99)) << "  max "
             << fixed(*hi) << "\n";
+}
+
+// The FWD header of one step of the chain's session.
+inline net::ModelHeader fwd_header(const Chain& chain, uint32_t seq_no, int64_t pos, std::size_t rows, uint8_t flags) {
+  net::ModelHeader fwd;
+  fwd.type = net::kTypeFwd;
+  fwd.seq = seq_no;
+  fwd.session = chain.session;
+  fwd.pos = uint64_t(pos);
+  fwd.rows = uint32_t(rows);
+  fwd.layer_lo = uint32_t(chain.hops.front().range.lo);
+  fwd.layer_hi = uint32_t(chain.hops.front().range.hi);
+  fwd.flags = flags;
+  return fwd;
+}
+
+// What the coordinator knows to set up a chain again.
+struct ChainSpec {
+  const ModelRunOptions& o;
+  const std::vector<int>& cuts;
+  const net::ModelIdentity& id;
+  uint32_t ctx;
+  const net::NumericProfile& mine;
+};
+
+// Errors that another attempt cannot cure: the chain now refuses this model, this key or these tokens.
+inline bool resume_is_futile(const std::string& what) {
+  return what.find("handshake: ") != std::string::npos || what.find("authentication failed") != std::string::npos ||
+         what.find("replay diverged") != std::string::npos;
+}
+
+// After the chain failed at step `generated.size()`: re-establishes it (a new session on every worker)
+// and replays into it what the old session had done, the same FWDs in the same order (the prompt as
+// one, then each generated token but the last as one row), from a new sequence of this stage's own.
+// Every stage then holds the same cache bits as before, and the last stage samples the same tokens
+// again, which is checked. Retries until spec.o.resume has passed, then throws with the last error.
+inline void resume_chain(const ChainSpec& spec, const Stage& stage, Sequence& seq, Chain& chain, Buffer<float>& rows,
+                         std::span<const int32_t> prompt, std::span<const int32_t> generated,
+                         const std::string& failure, RunStats& stats) {
+  using clock = std::chrono::steady_clock;
+  const std::size_t n_embd = stage.config().n_embd;
+  const uint32_t n_vocab = uint32_t(stage.config().n_vocab);
+  const std::size_t positions = generated.empty() ? 0 : prompt.size() + generated.size() - 1;
+  const auto t0 = clock::now();
+  const auto deadline = t0 + spec.o.resume;
+  const std::string within = fixed(double(spec.o.resume.count()) / 1e3) + " s";
+  std::cout.flush();
+  std::cerr << "pp_node coordinator: " << failure << "\n  resuming: re-establishing the chain and replaying "
+            << positions << " positions into a new session (for up to " << within << ")" << std::endl;
+  stats.total_bytes += chain.link ? chain.link->bytes_sent() + chain.link->bytes_received() : 0;
+  chain.link.reset();  // ends what is left of the old session on every worker
+  std::string last = failure;
+  std::vector<uint8_t> res;
+  for (;;) {
+    const auto now = clock::now();
+    if (now >= deadline)
+      throw Error("could not resume within " + within + " (--resume) after: " + failure + "; last error: " + last);
+    std::this_thread::sleep_for(std::min<clock::duration>(std::chrono::milliseconds(200), deadline - now));
+    try {
+      Chain fresh = connect_chain(spec.o, spec.cuts, spec.id, spec.ctx, spec.mine);
+      seq = stage.new_sequence();
+      for (std::size_t j = 0; j < generated.size(); ++j) {
+        const std::span<const int32_t> feed = j == 0 ? prompt : generated.subspan(j - 1, 1);
+        const int64_t pos = j == 0 ? 0 : int64_t(prompt.size() + j - 1);
+        stage.embed(feed, rows.data());
+        stage.forward(seq, pos, rows.data(), feed.size());
+        const net::ModelHeader fwd = fwd_header(fresh, uint32_t(j), pos, feed.size(), 0);
+        fresh.link->send_fwd(fwd, std::span(reinterpret_cast<const uint8_t*>(rows.data()), feed.size() * n_embd * 4));
+        fresh.link->read_res(fwd, n_vocab, res);
+        const int32_t token = net::decode_res(res, 0, n_vocab).token;
+        if (token != generated[j])
+          throw Error("replay diverged at position " + std::to_string(pos + int64_t(feed.size())) +
+                      ": the new chain sampled token " + std::to_string(token) + " where the session had " +
+                      std::to_string(generated[j]) + " (a worker with other kernels or another model file?)");
+      }
+      stats.replay_bytes += fresh.link->bytes_sent() + fresh.link->bytes_received();
+      chain = std::move(fresh);
+      break;
+    } catch (const Error& e) {
+      last = e.what();
+      if (resume_is_futile(last)) throw Error("cannot resume after: " + failure + "; " + last);
+    }
+  }
+  const double took = std::chrono::duration<double>(clock::now() - t0).count();
+  ++stats.resumes;
+  stats.replayed += positions;
+  stats.resume_s += took;
+  std::cerr << "pp_node coordinator: resumed in " << fixed(took * 1e3) << " ms: new session "
+            << std::hex << chain.session << std::dec << ", " << positions << " positions replayed, tokens identical"
+            << std::endl;
 }
 
 }  // namespace detail
@@ -351,7 +454,6 @@ inline int run_model_coordinator(const ModelRunOptions& o) {
             << std::endl;
 
   // Each token: this stage's layers, a FWD down the chain, the sampled token back up.
-  net::ModelLink& link = *chain.link;
   Sequence seq = stage.new_sequence();
   Buffer<float> rows(prompt.size() * cfg.n_embd);  // [rows, n_embd] the residual crossing the first cut
   std::vector<uint8_t> res;
@@ -361,27 +463,32 @@ inline int run_model_coordinator(const ModelRunOptions& o) {
   detail::RunStats stats;
   stats.prompt = prompt.size();
   int64_t pos = 0;
+  const detail::ChainSpec spec{o, cuts, id, ctx, mine};
   for (uint32_t i = 0; i < o.tokens; ++i) {
-    const auto t0 = clock::now();
-    stage.embed(feed, rows.data());
-    stage.forward(seq, pos, rows.data(), feed.size());
+    const uint8_t flags = uint8_t((verifier.wants(i) || digest_file.is_open() ? net::kFlagDigest : 0) |
+                                  (logits_file.is_open() ? net::kFlagLogits : 0));
     net::ModelHeader fwd;
-    fwd.type = net::kTypeFwd;
-    fwd.seq = i;
-    fwd.session = chain.session;
-    fwd.pos = uint64_t(pos);
-    fwd.rows = uint32_t(feed.size());
-    fwd.layer_lo = uint32_t(chain.hops.front().range.lo);
-    fwd.layer_hi = uint32_t(chain.hops.front().range.hi);
-    fwd.flags = uint8_t((verifier.wants(i) || digest_file.is_open() ? net::kFlagDigest : 0) |
-                        (logits_file.is_open() ? net::kFlagLogits : 0));
-    const auto t1 = clock::now();
-    link.send_fwd(fwd, std::span(reinterpret_cast<const uint8_t*>(rows.data()), feed.size() * cfg.n_embd * 4));
-    link.read_res(fwd, uint32_t(cfg.n_vocab), res);
+    clock::time_point t0, t1;
+    for (;;) {  // once, or again after the chain was re-established (--resume)
+      t0 = clock::now();
+      stage.embed(feed, rows.data());
+      stage.forward(seq, pos, rows.data(), feed.size());
+      fwd = detail::fwd_header(chain, i, pos, feed.size(), flags);
+      t1 = clock::now();
+      try {
+        chain.link->send_fwd(fwd, std::span(reinterpret_cast<const uint8_t*>(rows.data()), feed.size() * cfg.n_embd * 4));
+        chain.link->read_res(fwd, uint32_t(cfg.n_vocab), res);
+        break;
+      } catch (const Error& e) {
+        if (o.resume.count() == 0) throw;
+        detail::resume_chain(spec, stage, seq, chain, rows, prompt, stats.generated, e.what(), stats);
+      }
+    }
+    net::ModelLink& link = *chain.link;
     const auto t2 = clock::now();
     stats.rtt_ms.push_back(std::chrono::duration<double, std::milli>(t2 - t1).count());
     (i == 0 ? stats.prefill_s : stats.decode_s) += std::chrono::duration<double>(t2 - t0).count();
-    if (i == 0) stats.prefill_bytes = link.bytes_sent() + link.bytes_received();
+    if (i == 0) stats.prefill_bytes = stats.total_bytes + link.bytes_sent() + link.bytes_received();
 
     const net::StepReply r = net::decode_res(res, fwd.flags, uint32_t(cfg.n_vocab));
     if (r.token < 0 || std::size_t(r.token) >= cfg.n_vocab)
@@ -402,7 +509,7 @@ inline int run_model_coordinator(const ModelRunOptions& o) {
     std::cout.flush();
   }
   if (text) std::cout << text->flush();
-  stats.total_bytes = link.bytes_sent() + link.bytes_received();
+  stats.total_bytes += chain.link->bytes_sent() + chain.link->bytes_received() - stats.replay_bytes;
   chain.link.reset();  // ends the session on every worker before the report
   if (logits_file.is_open() && !logits_file.flush()) throw Error("writing --logits-out '" + o.logits_out + "' failed");
 

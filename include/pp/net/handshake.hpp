@@ -88,6 +88,7 @@ struct Hello {
   // nest (each end waits longer than the ends below it) whatever each worker was started with.
   uint32_t timeout_ms = 0;       // connect and stall timeout; 0 = the worker's own --timeout
   uint32_t load_timeout_ms = 0;  // waiting for WELCOME; 0 = the worker's own --load-timeout
+  bool mux = false;  // the connection carries many sessions (OPEN / BATCH / CLOSE, mux_frame.hpp)
 };
 
 // What a stage reports about itself in WELCOME.
@@ -103,6 +104,7 @@ struct StageReport {
 // Worker -> upstream: its own stage first, then every stage below it.
 struct Welcome {
   std::vector<StageReport> stages;
+  bool mux = false;  // every stage below accepted a multiplexed connection
 };
 
 namespace detail {
@@ -203,6 +205,7 @@ inline std::string encode_hello(const Hello& h) {
     line("profile", detail::clean(h.coordinator.arch) + "," + std::to_string(h.coordinator.threads));
   if (h.timeout_ms) line("timeout_ms", std::to_string(h.timeout_ms));
   if (h.load_timeout_ms) line("load_timeout_ms", std::to_string(h.load_timeout_ms));
+  if (h.mux) line("mux", "1");
   return s;
 }
 
@@ -244,6 +247,7 @@ inline Hello decode_hello(std::string_view text) {
       h.coordinator = NumericProfile{std::string(f[0].substr(0, 64)), detail::parse_uint<unsigned>(k, f[1], 65535)};
     } else if (k == "timeout_ms") h.timeout_ms = detail::parse_uint<uint32_t>(k, v, 86400000);
     else if (k == "load_timeout_ms") h.load_timeout_ms = detail::parse_uint<uint32_t>(k, v, 86400000);
+    else if (k == "mux") h.mux = detail::parse_uint<uint32_t>(k, v, 1) == 1;
   }
   const std::pair<bool, const char*> required[] = {{have_fp, "fingerprint"}, {have_layer, "n_layer"},
                                                     {have_embd, "n_embd"},    {have_vocab, "n_vocab"},
@@ -262,6 +266,7 @@ inline Hello decode_hello(std::string_view text) {
 
 inline std::string encode_welcome(const Welcome& w) {
   std::string s = "protocol=" + std::to_string(kProtocolVersion) + "\n";
+  if (w.mux) s += "mux=1\n";
   for (const StageReport& r : w.stages)
     s += "stage=" + std::to_string(r.stage) + "," + std::to_string(r.range.lo) + "," + std::to_string(r.range.hi) +
          "," + detail::clean(r.profile.arch) + "," + std::to_string(r.profile.threads) + "," + std::to_string(r.ctx) +
@@ -272,6 +277,7 @@ inline std::string encode_welcome(const Welcome& w) {
 inline Welcome decode_welcome(std::string_view text) {
   Welcome w;
   for (const auto& [k, v] : detail::parse_lines(text, "WELCOME")) {
+    if (k == "mux") w.mux = detail::parse_uint<uint32_t>(k, v, 1) == 1;
     if (k != "stage") continue;
     const auto f = detail::split(k, v, 8);
     StageReport r;

@@ -22,6 +22,7 @@ inline constexpr std::size_t kModelHeaderBytes = kFrameHeaderBytes + kModelExtBy
 inline constexpr uint8_t kTypeHello = 3;    // handshake request: text payload (handshake.hpp)
 inline constexpr uint8_t kTypeWelcome = 4;  // handshake accepted: text payload
 inline constexpr uint8_t kTypeStatus = 5;   // request: empty payload; reply: text payload
+inline constexpr uint8_t kTypeAuth = 16;    // pre-shared-key challenge-response before anything else (auth.hpp)
 
 // Residual element types on the wire. Only f32 exists: the residual crosses a cut unrounded, which is
 // what makes a distributed run bit-identical to one process.
@@ -53,6 +54,7 @@ inline std::string model_type_name(uint8_t type) {
     case kTypeHello: return "HELLO";
     case kTypeWelcome: return "WELCOME";
     case kTypeStatus: return "STATUS";
+    case kTypeAuth: return "AUTH";
     default: return frame_type_name(type);
   }
 }

@@ -5,6 +5,7 @@
 // names the hop ("worker 10.0.0.2:52100 (stage 2, layers [8, 16))") and what happened.
 #pragma once
 
+#include <atomic>
 #include <bit>
 #include <cstdint>
 #include <cstring>
@@ -17,6 +18,7 @@
 
 #include "pp/core/error.hpp"
 #include "pp/core/sha256.hpp"
+#include "pp/net/auth.hpp"
 #include "pp/net/channel.hpp"
 #include "pp/net/frame.hpp"
 #include "pp/net/handshake.hpp"
@@ -137,6 +139,20 @@ class ModelLink {
   uint64_t bytes_sent() const { return sent_; }
   uint64_t bytes_received() const { return received_; }
 
+  // The connection itself, for a multiplexed session (mux_frame.hpp), where one thread sends and
+  // another reads; it counts what it moves with count_sent / count_received (the counters are atomic).
+  Channel& channel() { return ch_; }
+  void count_sent(uint64_t n) { sent_ += n; }
+  void count_received(uint64_t n) { received_ += n; }
+
+  // Before HELLO when this end holds a key: proves it to the worker and checks the worker's proof
+  // (auth.hpp). Throws AuthError naming this hop when they disagree or the worker refuses.
+  void authenticate(const PresharedKey& key) {
+    authenticate_with_worker(ch_, key);
+    sent_ += 2 * kModelHeaderBytes + kNonceBytes + kProofBytes;
+    received_ += kModelHeaderBytes + kNonceBytes + kProofBytes;
+  }
+
   // Sends HELLO; a worker connects to its own next hop and loads its stage before answering, so the
   // answer may take `wait` (stage loading), not just a round trip.
   void send_hello(const Hello& hello, uint64_t session) {
@@ -221,7 +237,7 @@ class ModelLink {
   Millis io_, reply_wait_;
   std::string who_;
   Channel ch_;
-  uint64_t sent_ = 0, received_ = 0;
+  std::atomic<uint64_t> sent_{0}, received_{0};
 };
 
 }  // namespace pp::net

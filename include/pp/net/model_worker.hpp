@@ -26,14 +26,18 @@
 #include "pp/core/buffer.hpp"
 #include "pp/core/error.hpp"
 #include "pp/io/gguf.hpp"
+#include "pp/io/held_file.hpp"
 #include "pp/io/llama_loader.hpp"
 #include "pp/io/mmap.hpp"
 #include "pp/kernels/simd.hpp"
+#include "pp/net/auth.hpp"
 #include "pp/net/channel.hpp"
 #include "pp/net/frame.hpp"
 #include "pp/net/handshake.hpp"
 #include "pp/net/model_frame.hpp"
 #include "pp/net/model_link.hpp"
+#include "pp/net/mux_worker.hpp"
+#include "pp/net/probe.hpp"
 #include "pp/stage.hpp"
 #include "pp/text/sampler.hpp"
 
@@ -50,6 +54,10 @@ inline Millis reply_wait(Millis timeout, std::size_t hops_below) {
 
 inline NumericProfile local_profile(unsigned threads) { return NumericProfile{simd::Best::name(), threads}; }
 
+// Sessions a worker keeps at once (--max-sessions): each holds a KV cache of up to
+// max_ctx x layers x kv_dim x 8 bytes, so this and --max-ctx bound a worker's memory.
+inline constexpr std::size_t kDefaultMaxSessions = 16;
+
 struct ModelWorkerOptions {
   std::string path;            // the GGUF file (already resolved)
   unsigned threads = 0;        // compute threads per stage; 0 = hardware concurrency
@@ -57,6 +65,10 @@ struct ModelWorkerOptions {
   bool prefetch = true;        // fault in a stage's tensors when it loads
   Residency residency = Residency::Mapped;
   Timeouts link;               // the hop to the next worker: connect / stall timeout
+  std::size_t max_sessions = kDefaultMaxSessions;  // a HELLO beyond it is refused ("worker busy")
+  // When set, a connection must prove it holds this key before anything else (auth.hpp), and the
+  // worker proves the same to its next hop.
+  std::shared_ptr<const PresharedKey> psk;
   Millis load_wait{120000};    // waiting for the next hop's WELCOME (it loads its stage first)
 };
 
@@ -65,25 +77,80 @@ class ModelWorker {
   using Log = std::function<void(const std::string&)>;
 
   // Reads the file's header only (fingerprint and geometry); stages map their tensors per session.
-  ModelWorker(ModelWorkerOptions opt, Log log) : opt_(std::move(opt)), log_(std::move(log)) {
-    MappedFile f(opt_.path);
+  // The file stays open: stages map the very file identified here, even if its path is renamed over.
+  ModelWorker(ModelWorkerOptions opt, Log log) : opt_(std::move(opt)), log_(std::move(log)), file_(opt_.path) {
+    MappedFile f(file_.path());
     const gguf::File g = gguf::parse(f.bytes());
     const Config c = llama::read_config(g);
     id_ = identify_model(f.bytes(), g, c, opt_.path);
     const uint32_t model_ctx = static_cast<uint32_t>(std::min<std::size_t>(c.ctx_len, llama::kMaxCtx));
     if (opt_.max_ctx == 0) opt_.max_ctx = std::min<uint32_t>(4096, model_ctx);
+    kv_bytes_per_layer_ = uint64_t{opt_.max_ctx} * c.kv_dim() * 2 * sizeof(float);
   }
 
   const ModelIdentity& identity() const { return id_; }
   uint32_t max_ctx() const { return opt_.max_ctx; }
   std::size_t active_sessions() const { return active_.load(); }
+  std::size_t max_sessions() const { return opt_.max_sessions; }
+  bool requires_key() const { return opt_.psk != nullptr; }
+  // KV bytes one session holds per layer of its range at --max-ctx (K and V, f32).
+  uint64_t kv_bytes_per_layer() const { return kv_bytes_per_layer_; }
+
+  // A place among the worker's --max-sessions, held from HELLO until the session's memory is freed.
+  class SessionSlot {
+   public:
+    SessionSlot() = default;
+    explicit SessionSlot(std::atomic<std::size_t>* count) : count_(count) {}
+    SessionSlot(SessionSlot&& o) noexcept : count_(std::exchange(o.count_, nullptr)) {}
+    SessionSlot& operator=(SessionSlot&& o) noexcept {
+      if (this != &o) {
+        release();
+        count_ = std::exchange(o.count_, nullptr);
+      }
+      return *this;
+    }
+    SessionSlot(const SessionSlot&) = delete;
+    SessionSlot& operator=(const SessionSlot&) = delete;
+    ~SessionSlot() { release(); }
+    explicit operator bool() const { return count_ != nullptr; }
+
+   private:
+    void release() {
+      if (count_) count_->fetch_sub(1);
+      count_ = nullptr;
+    }
+    std::atomic<std::size_t>* count_ = nullptr;
+  };
+
+  // A slot, or an empty one when --max-sessions are in use: taken before any stage or cache is made.
+  SessionSlot reserve_session() {
+    std::size_t n = slots_.load();
+    while (n < opt_.max_sessions)
+      if (slots_.compare_exchange_weak(n, n + 1)) return SessionSlot(&slots_);
+    return {};
+  }
+  std::string busy_text() const {
+    return "worker busy: all " + std::to_string(opt_.max_sessions) +
+           " sessions of this worker's --max-sessions are in use; try again when one ends";
+  }
 
   // Serves one connection until the peer closes (returns) or the session must end (throws; the
   // server logs it). Every refusal is answered with an ERR first.
   void serve(Channel& up) {
+    // With a key, nothing but the exchange happens until the upstream has proved it holds it, and an
+    // unauthenticated peer may not sit idle: every wait is the stall timeout until then.
+    const Timeouts timeouts = up.timeouts();
+    bool admitted = !opt_.psk;
+    if (!admitted) up.set_timeouts(Timeouts{timeouts.io, timeouts.io});
     std::optional<FrameHeader> h = up.read_header();
     Session s;
     while (h) {
+      if (!admitted && h->version != kVersionModel) {
+        const std::string why = "authentication failed: this worker requires a pre-shared key (a version-2 AUTH "
+                                "exchange before anything else)";
+        up.send_err(*h, why);
+        throw AuthError(why);
+      }
       if (h->version == kVersionPlaceholder) {
         up.send_err(*h, "this worker runs a model ('" + id_.file + "', " + std::to_string(id_.n_layer) +
                             " layers) and speaks version " + std::to_string(kVersionModel) +
@@ -98,7 +165,13 @@ class ModelWorker {
         throw e;
       }
       const ModelHeader m = read_extension(up, *h);
-      handle(up, m, s);
+      if (admitted) {
+        handle(up, m, s);
+      } else {
+        admit_upstream(up, m, *opt_.psk);  // throws (after an ERR) unless the upstream holds the key
+        admitted = true;
+        up.set_timeouts(timeouts);
+      }
       h = up.read_header();
     }
   }
@@ -110,13 +183,15 @@ class ModelWorker {
                     "sessions_total=" + std::to_string(total_) + "\n" + "model=" + id_.file + "\n" +
                     "fingerprint=" + id_.fingerprint + "\n" + "n_layer=" + std::to_string(id_.n_layer) + "\n" +
                     "n_embd=" + std::to_string(id_.n_embd) + "\n" + "max_ctx=" + std::to_string(opt_.max_ctx) + "\n" +
+                    "max_sessions=" + std::to_string(opt_.max_sessions) + "\n" +
                     "arch=" + std::string(simd::Best::name()) + "\n" + "stages_loaded=" + loaded_ + "\n";
-    return s;
+    return s + mux_stats_.text();
   }
 
  private:
   // One connection's state: nothing until HELLO, then the assigned stage and its sequence.
   struct Session {
+    SessionSlot slot;              // first member: released last, after the cache below is freed
     ModelWorker* owner = nullptr;  // set once established: the destructor then counts it out
     uint64_t id = 0;
     uint32_t stage_index = 0;
@@ -131,11 +206,13 @@ class ModelWorker {
     std::vector<float> logits;      // [n_vocab] last stage
     std::vector<uint8_t> reply;     // RES payload
     uint64_t frames = 0;
+    std::unique_ptr<MuxConnection> mux;  // after a HELLO with mux=1: the connection's sessions
     std::string name() const {
       return "session " + to_hex_u64(id) + " (stage " + std::to_string(stage_index) + ", layers [" +
              std::to_string(range.lo) + ", " + std::to_string(range.hi) + "))";
     }
     ~Session() {
+      mux.reset();  // stops its relay before the next hop closes
       if (!owner) return;
       next.reset();  // closing the next hop ends the sessions below
       seq.reset();
@@ -166,6 +243,7 @@ class ModelWorker {
   }
 
   void handle(Channel& up, const ModelHeader& m, Session& s) {
+    if (s.mux) return s.mux->handle(m);
     switch (m.type) {
       case kTypeStatus: {
         if (m.payload_bytes > kMaxTextPayload)
@@ -178,7 +256,12 @@ class ModelWorker {
         return;
       }
       case kTypeHello: return hello(up, m, s);
+      case kTypeAuth:
+        fail(up, m, opt_.psk ? "AUTH on a connection that has already authenticated"
+                             : "authentication failed: the upstream sent AUTH (it holds a pre-shared key) but this "
+                               "worker has none: start it with --psk-file or PP_NODE_PSK, or drop the upstream's key");
       case kTypeFwd: return forward(up, m, s);
+      case kTypeProbe: return answer_probe(up, m, opt_.path, opt_.threads, opt_.max_ctx);
       default:
         fail(up, m, "unexpected " + model_type_name(m.type) + " (a worker accepts HELLO, FWD, STATUS)");
     }
@@ -195,12 +278,16 @@ class ModelWorker {
     } catch (const FrameError& e) {
       fail(up, m, e.what());
     }
+    s.slot = reserve_session();  // before the next hop, the stage or the cache
+    if (!s.slot) fail(up, m, busy_text());
     s.id = m.session;
     s.stage_index = hello.stage;
     s.range = hello.chain.front().range;
     s.ctx = hello.ctx;
     s.sampling = hello.sampling;
     std::string welcome_text;
+    bool mux = false;
+    Millis mux_wait = kNoTimeout;
     try {
       // The next hop loads its stage while this one loads its own.
       // The session's waits follow the coordinator's timeouts when it sent them.
@@ -213,17 +300,22 @@ class ModelWorker {
         down.stage = hello.stage + 1;
         down.chain.erase(down.chain.begin());
         s.next.emplace(down.chain.front(), down.stage, link, reply_wait(link.io, down.chain.size()));
+        mux_wait = reply_wait(link.io, down.chain.size());
+        if (opt_.psk) s.next->authenticate(*opt_.psk);  // the same key on every hop
         s.next->send_hello(down, s.id);
       }
       s.stage = stage_for(s.range, s.ctx);
-      s.seq.emplace(s.stage->new_sequence());
       Welcome w;
+      w.mux = hello.mux;
       w.stages.push_back(StageReport{hello.stage, s.range, local_profile(s.stage->threads()), s.ctx,
                                      s.stage->bytes_used(), hello.chain.front().peer.str()});
       if (s.next) {
         const Welcome below = s.next->read_welcome(reply_wait(load_wait, hello.chain.size() - 1));
         w.stages.insert(w.stages.end(), below.stages.begin(), below.stages.end());
+        w.mux = w.mux && below.mux;
       }
+      mux = w.mux;
+      if (!mux) s.seq.emplace(s.stage->new_sequence());  // a multiplexed connection's sessions have their own
       welcome_text = encode_welcome(w);
     } catch (const Error& e) {
       fail(up, m, e.what());
@@ -246,6 +338,16 @@ class ModelWorker {
     ModelHeader r = m;
     r.type = kTypeWelcome;
     send_model_text(up, r, welcome_text);
+    if (mux)
+      s.mux = std::make_unique<MuxConnection>(
+          MuxSetup{id_, s.id, s.stage_index, s.range, s.ctx, s.stage, s.next ? &*s.next : nullptr, mux_wait,
+                   &mux_stats_, log_, [this] { return status_text(); },
+                   [this]() -> std::shared_ptr<void> {
+                     SessionSlot slot = reserve_session();
+                     return slot ? std::make_shared<SessionSlot>(std::move(slot)) : nullptr;
+                   },
+                   [this] { return busy_text(); }},
+          up);
   }
 
   void forward(Channel& up, const ModelHeader& m, Session& s) {
@@ -294,12 +396,17 @@ class ModelWorker {
     const auto key = std::make_tuple(r.lo, r.hi, ctx);
     if (auto it = stages_.find(key); it != stages_.end()) return it->second;
     std::erase_if(stages_, [](const auto& kv) { return kv.second.use_count() == 1; });
+    if (file_.replaced() && !replaced_logged_) {
+      replaced_logged_ = true;
+      log("'" + opt_.path + "' was replaced on disk after this worker started; it keeps serving the file it "
+          "identified (fingerprint " + id_.fingerprint.substr(0, 16) + "): restart it to serve the new one");
+    }
     StageOptions so;
     so.ctx = ctx;
     so.threads = opt_.threads;
     so.prefetch = opt_.prefetch;
     so.residency = opt_.residency;
-    auto st = std::make_shared<const Stage>(opt_.path, r, so);
+    auto st = std::make_shared<const Stage>(file_.path(), r, so);
     stages_.emplace(key, st);
     std::string desc;
     for (const auto& [k, v] : stages_)
@@ -316,13 +423,18 @@ class ModelWorker {
 
   ModelWorkerOptions opt_;
   Log log_;
+  HeldFile file_;               // the model file identified at start; stages map it, not the path
+  bool replaced_logged_ = false;  // under load_mu_
   ModelIdentity id_;
+  std::atomic<std::size_t> slots_{0};  // sessions holding a SessionSlot
+  uint64_t kv_bytes_per_layer_ = 0;
   std::mutex load_mu_;
   std::map<std::tuple<int, int, uint32_t>, std::shared_ptr<const Stage>> stages_;
   mutable std::mutex stats_mu_;
   std::atomic<std::size_t> active_{0};
   uint64_t total_ = 0;
   std::string loaded_;  // "lo-hi@ctx,..." for STATUS
+  MuxStats mux_stats_;  // every multiplexed connection's sessions and work
 };
 
 }  // namespace pp::net

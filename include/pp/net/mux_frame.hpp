@@ -1,0 +1,201 @@
+// PCPL version-2 multiplexed frames: many sessions on one connection, several sessions' rows in one BATCH.
+//
+// A connection whose HELLO carries `mux=1` (and whose WELCOME answers `mux=1`) carries sessions that
+// are opened and closed by frames instead of by the connection: OPEN (with the session's sampling
+// parameters), CLOSE, and BATCH, which runs one step of several sessions through a stage in one pass
+// over its weights (Stage::forward_batch) and is answered by BRES, one token per entry. Layout and
+// rules: docs/PROTOCOL-TCP.md "Multiplexed sessions".
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "pp/core/error.hpp"
+#include "pp/net/channel.hpp"
+#include "pp/net/handshake.hpp"
+#include "pp/net/model_frame.hpp"
+#include "pp/net/socket.hpp"
+#include "pp/text/sampler.hpp"
+
+namespace pp::net {
+
+inline constexpr uint8_t kTypeOpen = 6;      // open a session on a multiplexed connection; answered by OPEN or ERR
+inline constexpr uint8_t kTypeClose = 7;     // close a session (free its KV cache on every stage); no reply
+inline constexpr uint8_t kTypeBatch = 8;     // one step of several sessions: entry table, then their rows
+inline constexpr uint8_t kTypeBatchRes = 9;  // BRES: one sampled token per BATCH entry, in entry order
+inline constexpr uint8_t kTypeProbe = 10;    // measure this worker: per-layer time, free memory (probe.hpp)
+
+// BATCH payload: u32 n_entries, n_entries x 24-byte entries, then f32 [rows, n_embd] (all big-endian
+// but the rows, which are little-endian f32 like every residual on the wire).
+//   entry: 0 session u64 | 8 pos u64 | 16 rows u32 | 20 flags u8 | 21 reserved (3 bytes, 0)
+inline constexpr std::size_t kBatchEntryBytes = 24;
+inline constexpr uint32_t kMaxBatchEntries = 256;     // entries in one BATCH
+inline constexpr std::size_t kMaxMuxSessions = 256;   // sessions open at once on one connection
+inline constexpr uint64_t kKeepaliveSession = 0;      // CLOSE of session 0: a keepalive, ignored
+
+struct BatchEntry {
+  uint64_t session = 0;
+  uint64_t pos = 0;   // absolute position of the entry's first row
+  uint32_t rows = 0;  // rows of this session in the batch, consecutive in the payload
+  uint8_t flags = 0;  // none defined yet: must be 0
+};
+
+inline std::string mux_type_name(uint8_t type) {
+  switch (type) {
+    case kTypeOpen: return "OPEN";
+    case kTypeClose: return "CLOSE";
+    case kTypeBatch: return "BATCH";
+    case kTypeBatchRes: return "BRES";
+    case kTypeProbe: return "PROBE";
+    default: return model_type_name(type);
+  }
+}
+
+// u32 n, then the entries: the part of a BATCH payload before the rows.
+inline std::vector<uint8_t> encode_batch_table(std::span<const BatchEntry> entries) {
+  std::vector<uint8_t> out(4 + entries.size() * kBatchEntryBytes, 0);
+  detail::put_be32(out.data(), static_cast<uint32_t>(entries.size()));
+  uint8_t* p = out.data() + 4;
+  for (const BatchEntry& e : entries) {
+    detail::put_be32(p + 0, static_cast<uint32_t>(e.session >> 32));
+    detail::put_be32(p + 4, static_cast<uint32_t>(e.session));
+    detail::put_be32(p + 8, static_cast<uint32_t>(e.pos >> 32));
+    detail::put_be32(p + 12, static_cast<uint32_t>(e.pos));
+    detail::put_be32(p + 16, e.rows);
+    p[20] = e.flags;
+    p += kBatchEntryBytes;
+  }
+  return out;
+}
+
+inline BatchEntry decode_batch_entry(std::span<const uint8_t, kBatchEntryBytes> p) {
+  BatchEntry e;
+  e.session = (uint64_t{detail::get_be32(&p[0])} << 32) | detail::get_be32(&p[4]);
+  e.pos = (uint64_t{detail::get_be32(&p[8])} << 32) | detail::get_be32(&p[12]);
+  e.rows = detail::get_be32(&p[16]);
+  e.flags = p[20];
+  return e;
+}
+
+// Bytes of a BATCH payload with n entries and `rows` rows in all.
+inline uint64_t batch_payload_bytes(uint64_t n_entries, uint64_t rows, uint32_t n_embd) {
+  return 4 + n_entries * kBatchEntryBytes + fwd_payload_bytes(rows, n_embd);
+}
+
+// Checks of a BATCH header before any payload byte is read: the connection's session, the receiver's
+// range, f32, no flags, 1 <= rows <= ctx (the total; one frame never carries more rows than a KV cache
+// holds), and room for at least the entry count.
+inline void check_batch_header(const ModelHeader& m, const ModelGeometry& g, uint32_t lo, uint32_t hi,
+                               uint64_t connection) {
+  const std::string where = "BATCH seq " + std::to_string(m.seq) + ": ";
+  if (m.session != connection)
+    throw FrameError(where + "session " + std::to_string(m.session) + " != this connection's session " +
+                     std::to_string(connection));
+  if (m.layer_lo != lo || m.layer_hi != hi)
+    throw FrameError(where + "layers [" + std::to_string(m.layer_lo) + ", " + std::to_string(m.layer_hi) +
+                     ") != the range assigned in the handshake [" + std::to_string(lo) + ", " + std::to_string(hi) + ")");
+  if (m.dtype != kDTypeF32) throw FrameError(where + "dtype " + std::to_string(m.dtype) + " is not f32 (0)");
+  if (m.flags != 0) throw FrameError(where + "flags " + std::to_string(m.flags) + " != 0 (BATCH flags are per entry)");
+  if (m.rows == 0 || m.rows > g.ctx)
+    throw FrameError(where + "rows " + std::to_string(m.rows) + " outside [1, " + std::to_string(g.ctx) +
+                     "] (the KV capacity)");
+  if (m.payload_bytes < batch_payload_bytes(1, m.rows, g.n_embd))
+    throw FrameError(where + "payload_bytes " + std::to_string(m.payload_bytes) + " < " +
+                     std::to_string(batch_payload_bytes(1, m.rows, g.n_embd)) + " (one entry and " +
+                     std::to_string(m.rows) + " rows)");
+}
+
+// Checks the entry count read from the payload's first 4 bytes against the header.
+inline void check_batch_count(const ModelHeader& m, uint32_t n_entries, uint32_t n_embd) {
+  const std::string where = "BATCH seq " + std::to_string(m.seq) + ": ";
+  if (n_entries == 0 || n_entries > kMaxBatchEntries || n_entries > m.rows)
+    throw FrameError(where + "n_entries " + std::to_string(n_entries) + " outside [1, min(rows " +
+                     std::to_string(m.rows) + ", " + std::to_string(kMaxBatchEntries) + ")]");
+  const uint64_t want = batch_payload_bytes(n_entries, m.rows, n_embd);
+  if (m.payload_bytes != want)
+    throw FrameError(where + "payload_bytes " + std::to_string(m.payload_bytes) + " != 4 + " +
+                     std::to_string(n_entries) + " entries x 24 + rows " + std::to_string(m.rows) + " x hidden " +
+                     std::to_string(n_embd) + " x 4 = " + std::to_string(want));
+}
+
+// Checks the decoded entries: rows add up to the header's, sessions distinct, positions bounded, no flags.
+// Whether each session is open is the receiver's check.
+inline void check_batch_entries(const ModelHeader& m, std::span<const BatchEntry> entries) {
+  const std::string where = "BATCH seq " + std::to_string(m.seq) + ": ";
+  uint64_t rows = 0;
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    const BatchEntry& e = entries[i];
+    const std::string which = where + "entry " + std::to_string(i) + " (session " + std::to_string(e.session) + "): ";
+    if (e.rows == 0) throw FrameError(which + "rows 0");
+    if (e.pos > (uint64_t{1} << 40)) throw FrameError(which + "pos " + std::to_string(e.pos) + " > limit 2^40");
+    if (e.flags != 0) throw FrameError(which + "flags " + std::to_string(e.flags) + " != 0 (none are defined)");
+    for (std::size_t j = 0; j < i; ++j)
+      if (entries[j].session == e.session) throw FrameError(which + "the session appears twice");
+    rows += e.rows;
+  }
+  if (rows != m.rows)
+    throw FrameError(where + "the entries' rows add up to " + std::to_string(rows) + ", the header says " +
+                     std::to_string(m.rows));
+}
+
+// Sends header, entry table and rows as one frame (MSG_MORE keeps them in as few segments as possible).
+// Returns the bytes written.
+inline uint64_t send_batch(Channel& ch, ModelHeader h, std::span<const uint8_t> table, std::span<const uint8_t> rows) {
+  h.type = kTypeBatch;
+  h.payload_bytes = static_cast<uint32_t>(table.size() + rows.size());
+  const auto head = encode_model_header(h);
+  write_all(ch.fd(), head, ch.timeouts().io, ch.who(), "BATCH header", true);
+  write_all(ch.fd(), table, ch.timeouts().io, ch.who(), "BATCH entries", true);
+  write_all(ch.fd(), rows, ch.timeouts().io, ch.who(), "BATCH rows");
+  return head.size() + table.size() + rows.size();
+}
+
+// BRES payload: one little-endian i32 token per entry.
+inline std::vector<uint8_t> encode_batch_res(std::span<const int32_t> tokens) {
+  std::vector<uint8_t> out(tokens.size() * 4);
+  if (!tokens.empty()) std::memcpy(out.data(), tokens.data(), out.size());
+  return out;
+}
+
+inline std::vector<int32_t> decode_batch_res(std::span<const uint8_t> p) {
+  std::vector<int32_t> out(p.size() / 4);
+  if (!out.empty()) std::memcpy(out.data(), p.data(), out.size() * 4);
+  return out;
+}
+
+// OPEN payload: the session's sampling parameters as key=value lines, the HELLO's keys and encoding.
+inline std::string encode_sampling(const SamplingParams& s) {
+  std::string out;
+  auto line = [&](std::string_view k, const std::string& v) { out.append(k).append("=").append(v).append("\n"); };
+  if (s.temperature) line("temperature", detail::double_text(*s.temperature));
+  if (s.top_k) line("top_k", std::to_string(*s.top_k));
+  if (s.top_p) line("top_p", detail::double_text(*s.top_p));
+  if (s.min_p) line("min_p", detail::double_text(*s.min_p));
+  line("seed", std::to_string(s.seed));
+  return out;
+}
+
+// Unknown keys are ignored; a malformed or out-of-range value is a HandshakeError.
+inline SamplingParams decode_sampling(std::string_view text) {
+  SamplingParams s;
+  for (const auto& [k, v] : detail::parse_lines(text, "OPEN")) {
+    if (k == "temperature") s.temperature = detail::parse_double(k, v);
+    else if (k == "top_k") s.top_k = detail::parse_uint<int64_t>(k, v, INT64_MAX);
+    else if (k == "top_p") s.top_p = detail::parse_double(k, v);
+    else if (k == "min_p") s.min_p = detail::parse_double(k, v);
+    else if (k == "seed") s.seed = detail::parse_uint<uint64_t>(k, v, UINT64_MAX);
+  }
+  try {
+    s.validate();
+  } catch (const RequestError& e) {
+    throw HandshakeError(std::string("OPEN sampling: ") + e.what());
+  }
+  return s;
+}
+
+}  // namespace pp::net

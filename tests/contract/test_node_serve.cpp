@@ -1,0 +1,786 @@
+// pp_node --serve / --chat (issue 9): the OpenAI API over loopback against 2- and 3-stage pipelines of separate processes.
+//
+// A synthetic model with the real Llama-3 vocabulary (../shared/fixtures; skipped without it) is served by
+// pp_node processes; an httplib::Client talks to the coordinator. Tokens are compared with pp::LocalPipeline
+// (pp_generate's loop) under the same sampling seed; the workers' session counts come from their STATUS.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <nlohmann/json.hpp>
+
+#include "../../tools/common/synth.hpp"
+#include "../common/fixtures.hpp"
+#include "../common/node_process.hpp"
+#include "node/chat_template.hpp"
+#include "node/worker_status.hpp"
+#include "pp/model/local_pipeline.hpp"
+#include "pp/text/sampler.hpp"
+#include "pp/text/tokenizer.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using namespace std::chrono_literals;
+using pp::test::Clock;
+using pp::test::Millis;
+using pp::test::Process;
+
+std::string node_bin() {
+  const char* p = std::getenv("PP_NODE_BIN");
+  return p ? p : "";
+}
+
+// ---------------------------------------------------------------- the model
+
+struct Model {
+  fs::path dir;
+  std::string path;  // 6 layers, hidden 64, the real Llama-3 vocabulary and its chat template
+  std::optional<pp::Tokenizer> tok;
+  Model() {
+    const fs::path vocab = pp::test::shared_fixtures() / "llama3-vocab-only.gguf";
+    if (pp::test::shared_fixtures().empty() || !fs::exists(vocab)) return;
+    char tmpl[] = "/tmp/pp_node_serve_test.XXXXXX";
+    dir = mkdtemp(tmpl);
+    pp::synth::Spec s;
+    s.n_embd = 64, s.n_layer = 6, s.n_head = 4, s.n_head_kv = 2, s.n_ff = 128, s.ctx = 2048, s.seed = 21;
+    s.vocab_from = vocab.string();
+    s.name = "pp-synth-serve";
+    path = (dir / "serve.gguf").string();
+    pp::synth::write(s, path);
+    pp::MappedFile f(path);
+    tok = pp::Tokenizer::from_gguf(pp::gguf::parse(f.bytes()));
+  }
+  ~Model() {
+    std::error_code ec;
+    if (!dir.empty()) fs::remove_all(dir, ec);
+  }
+};
+
+const Model& model() {
+  static Model m;
+  return m;
+}
+
+#define REQUIRE_MODEL()                                                                        \
+  if (model().path.empty()) GTEST_SKIP() << "no ../shared/fixtures/llama3-vocab-only.gguf"
+
+// pp_generate's loop over pp::LocalPipeline (f32 wire: bit-identical to any split).
+std::vector<int32_t> reference(const std::vector<int32_t>& prompt, std::size_t n, const pp::SamplingParams& sp = {}) {
+  pp::LocalPipeline pipe(model().path, {3}, pp::WireDType::F32, {.threads = 1});
+  std::vector<float> step(pipe.config().n_vocab);
+  pp::Sampler sampler;
+  std::vector<int32_t> out;
+  pipe.run(prompt, 0, step.data(), 1);
+  for (std::size_t i = 0; i < n; ++i) {
+    if (i > 0) pipe.run({&out.back(), 1}, int64_t(prompt.size() + i - 1), step.data(), 1);
+    out.push_back(sampler.sample(step, sp, int64_t(prompt.size() + i)));
+  }
+  return out;
+}
+
+std::string text_of(const std::vector<int32_t>& ids) {
+  pp::StreamDecoder d(*model().tok);
+  std::string s;
+  for (int32_t t : ids) s += d.feed(t);
+  return s + d.flush();
+}
+
+std::vector<int32_t> encode(const std::string& text) { return model().tok->encode(text, model().tok->add_bos()); }
+
+std::vector<int32_t> chat_ids(const std::vector<pp::node::ChatMessage>& msgs) {
+  const pp::node::ChatTemplate t{pp::node::ChatFormat::llama3, false, ""};
+  return model().tok->encode(pp::node::render_chat(t, msgs, "<|begin_of_text|>"), false, true);
+}
+
+// ---------------------------------------------------------------- processes
+
+struct Pipeline {
+  std::vector<std::unique_ptr<Process>> workers;
+  std::vector<uint16_t> worker_ports;
+  std::unique_ptr<Process> coordinator;
+  uint16_t port = 0;
+
+  std::unique_ptr<httplib::Client> client(Millis read = 25s) const {
+    auto c = std::make_unique<httplib::Client>("127.0.0.1", port);
+    c->set_read_timeout(std::chrono::duration_cast<std::chrono::seconds>(read).count());
+    c->set_connection_timeout(5);
+    return c;
+  }
+};
+
+std::optional<uint16_t> port_in(const std::string& out, const std::string& pattern) {
+  std::smatch m;
+  if (!std::regex_search(out, m, std::regex(pattern))) return std::nullopt;
+  return static_cast<uint16_t>(std::stoi(m[1]));
+}
+
+// n_workers workers and a coordinator serving HTTP on an ephemeral port.
+std::optional<Pipeline> start_pipeline(std::size_t n_workers, const std::vector<std::string>& cuts,
+                                       const std::vector<std::string>& extra = {}) {
+  Pipeline p;
+  std::string chain;
+  for (std::size_t i = 0; i < n_workers; ++i) {
+    auto w = std::make_unique<Process>(std::vector<std::string>{node_bin(), "--worker", "--model", model().path, "--host",
+                                                                "127.0.0.1", "--port", "0", "--threads", "1"});
+    if (!w->wait_output("  (Ctrl-C to stop)", 10s)) {
+      ADD_FAILURE() << "worker did not start: " << w->out() << w->err();
+      return std::nullopt;
+    }
+    const auto port = port_in(w->out(), R"(listening on 127\.0\.0\.1:(\d+))");
+    if (!port) return std::nullopt;
+    p.worker_ports.push_back(*port);
+    chain += (chain.empty() ? "" : ",") + std::string("127.0.0.1:") + std::to_string(*port);
+    p.workers.push_back(std::move(w));
+  }
+  std::vector<std::string> argv = {node_bin(), "--coordinator", chain, "--model", model().path, "--serve",
+                                   "--http-port", "0", "--threads", "1"};
+  if (!cuts.empty()) argv.insert(argv.end(), cuts.begin(), cuts.end());
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  p.coordinator = std::make_unique<Process>(argv);
+  if (!p.coordinator->wait_output("(POST /v1/completions", 20s)) {
+    ADD_FAILURE() << "coordinator did not start serving: " << p.coordinator->out() << p.coordinator->err();
+    return std::nullopt;
+  }
+  const auto port = port_in(p.coordinator->out(), R"(on http://127\.0\.0\.1:(\d+))");
+  if (!port) return std::nullopt;
+  p.port = *port;
+  return p;
+}
+
+// ---------------------------------------------------------------- HTTP helpers
+
+struct Reply {
+  int status = 0;
+  json body;
+  std::string raw;
+};
+
+Reply post(const Pipeline& p, const std::string& path, const std::string& body) {
+  Reply r;
+  auto c = p.client();
+  const auto res = c->Post(path.c_str(), body, "application/json");
+  if (!res) {
+    ADD_FAILURE() << "POST " << path << " failed: " << httplib::to_string(res.error());
+    return r;
+  }
+  r.status = res->status;
+  r.raw = res->body;
+  try {
+    r.body = json::parse(res->body);
+  } catch (const std::exception&) {
+  }
+  return r;
+}
+
+// A streamed response: every chunk's text and tokens, the finish reason, whether it ended with [DONE].
+struct Streamed {
+  int status = 0;
+  std::string text;
+  std::vector<int32_t> tokens;
+  std::string finish;
+  bool done = false;
+  bool role_first = false;
+  std::optional<json> usage;
+  std::size_t chunks = 0;
+};
+
+Streamed parse_sse(const std::string& body, bool chat) {
+  Streamed s;
+  std::size_t at = 0;
+  while (at < body.size()) {
+    const std::size_t end = body.find("\n\n", at);
+    const std::string event = body.substr(at, end == std::string::npos ? std::string::npos : end - at);
+    at = end == std::string::npos ? body.size() : end + 2;
+    if (event.rfind("data: ", 0) != 0) continue;
+    const std::string data = event.substr(6);
+    if (data == "[DONE]") {
+      s.done = true;
+      continue;
+    }
+    const json j = json::parse(data);
+    if (j.contains("usage") && !j["usage"].is_null()) s.usage = j["usage"];
+    if (j["choices"].empty()) continue;
+    const json& c = j["choices"][0];
+    if (chat && s.chunks == 0) s.role_first = c["delta"].value("role", "") == "assistant";
+    ++s.chunks;
+    if (chat) s.text += c["delta"].value("content", "");
+    else s.text += c.value("text", "");
+    if (c.contains("tokens"))
+      for (const json& t : c["tokens"]) s.tokens.push_back(t.get<int32_t>());
+    if (!c["finish_reason"].is_null()) s.finish = c["finish_reason"].get<std::string>();
+  }
+  return s;
+}
+
+Streamed post_stream(const Pipeline& p, const std::string& path, const json& body) {
+  auto c = p.client();
+  const auto res = c->Post(path.c_str(), body.dump(), "application/json");
+  Streamed s;
+  if (!res) {
+    ADD_FAILURE() << "POST " << path << " failed: " << httplib::to_string(res.error());
+    return s;
+  }
+  s = parse_sse(res->body, path.find("chat") != std::string::npos);
+  s.status = res->status;
+  EXPECT_NE(res->get_header_value("Content-Type").find("text/event-stream"), std::string::npos);
+  return s;
+}
+
+std::vector<int32_t> tokens_of(const json& body) {
+  std::vector<int32_t> t;
+  for (const json& x : body["choices"][0]["tokens"]) t.push_back(x.get<int32_t>());
+  return t;
+}
+
+std::string ids_json(const std::vector<int32_t>& ids) { return json(ids).dump(); }
+
+// A worker's multiplexed sessions from its STATUS.
+long worker_sessions(uint16_t port) {
+  try {
+    const auto st = pp::node::query_status(pp::net::Peer{"127.0.0.1", port}, pp::net::Millis{2000});
+    return std::stol(st.at("mux_sessions_active"));
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
+bool wait_worker_sessions(const Pipeline& p, long want, Millis timeout) {
+  const auto deadline = Clock::now() + timeout;
+  for (;;) {
+    bool all = true;
+    for (uint16_t port : p.worker_ports) all = all && worker_sessions(port) == want;
+    if (all) return true;
+    if (Clock::now() > deadline) return false;
+    std::this_thread::sleep_for(20ms);
+  }
+}
+
+// name{labels} -> value from Prometheus text; fails the test on a malformed line.
+std::map<std::string, double> parse_metrics(const std::string& text) {
+  std::map<std::string, double> out;
+  const std::regex sample(R"(^([a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-zA-Z_][a-zA-Z0-9_]*="[^"]*"(,[a-zA-Z_][a-zA-Z0-9_]*="[^"]*")*\})?) (-?[0-9][0-9.e+-]*|NaN|[+-]Inf)$)");
+  const std::regex comment(R"(^# (HELP|TYPE) [a-zA-Z_:][a-zA-Z0-9_:]* .+$)");
+  std::stringstream ss(text);
+  std::string line;
+  std::set<std::string> typed;
+  std::string current;
+  while (std::getline(ss, line)) {
+    std::smatch m;
+    if (line.empty()) continue;
+    if (line[0] == '#') {
+      EXPECT_TRUE(std::regex_match(line, comment)) << "bad comment line: " << line;
+      if (line.rfind("# TYPE ", 0) == 0) {
+        const std::string name = line.substr(7, line.find(' ', 7) - 7);
+        EXPECT_TRUE(typed.insert(name).second) << "family typed twice (samples not grouped): " << name;
+        current = name;
+      }
+      continue;
+    }
+    if (!std::regex_match(line, m, sample)) {
+      ADD_FAILURE() << "bad sample line: " << line;
+      continue;
+    }
+    const std::string name = line.substr(0, line.find_first_of("{ "));
+    EXPECT_EQ(name.rfind(current, 0), 0u) << "sample " << name << " outside its family " << current;
+    out[m[1]] = std::stod(m[4]);
+  }
+  return out;
+}
+
+// ================================================================ two stages
+
+class ServeTwoStages : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (model().path.empty()) return;
+    pipe_ = new std::optional<Pipeline>(start_pipeline(1, {"--cuts", "3"}));
+  }
+  static void TearDownTestSuite() {
+    delete pipe_;
+    pipe_ = nullptr;
+  }
+  void SetUp() override {
+    if (model().path.empty()) GTEST_SKIP() << "no ../shared/fixtures/llama3-vocab-only.gguf";
+    ASSERT_TRUE(pipe_ && *pipe_) << "the pipeline did not start";
+  }
+  const Pipeline& p() { return **pipe_; }
+  static std::optional<Pipeline>* pipe_;
+};
+std::optional<Pipeline>* ServeTwoStages::pipe_ = nullptr;
+
+TEST_F(ServeTwoStages, CompletionsGreedyAndSeededMatchTheGenerator) {
+  const std::vector<int32_t> prompt = encode("The capital of France is");
+  const Reply greedy = post(p(), "/v1/completions",
+                            R"({"model":"x","prompt":"The capital of France is","max_tokens":12,"temperature":0,"return_tokens":true})");
+  ASSERT_EQ(greedy.status, 200) << greedy.raw;
+  const auto want = reference(prompt, 12);
+  EXPECT_EQ(tokens_of(greedy.body), want);
+  EXPECT_EQ(greedy.body["choices"][0]["text"], text_of(want));
+  EXPECT_EQ(greedy.body["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(greedy.body["object"], "text_completion");
+  EXPECT_EQ(greedy.body["usage"]["prompt_tokens"], prompt.size());
+  EXPECT_EQ(greedy.body["usage"]["completion_tokens"], 12);
+
+  pp::SamplingParams sp;
+  sp.temperature = 0.8, sp.top_k = 40, sp.top_p = 0.95, sp.min_p = 0.02, sp.seed = 1234;
+  const Reply sampled = post(p(), "/v1/completions",
+                             R"({"prompt":"The capital of France is","max_tokens":16,"temperature":0.8,"top_k":40,)"
+                             R"("top_p":0.95,"min_p":0.02,"seed":1234,"return_tokens":true})");
+  ASSERT_EQ(sampled.status, 200) << sampled.raw;
+  EXPECT_EQ(tokens_of(sampled.body), reference(prompt, 16, sp));
+}
+
+// A prompt longer than one prefill chunk (128 rows) goes down the chain in several batches.
+TEST_F(ServeTwoStages, LongTokenIdPromptMatchesTheGenerator) {
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 300; ++i) prompt.push_back(1000 + (i * 7919) % 50000);
+  const Reply r = post(p(), "/v1/completions",
+                       R"({"prompt":)" + ids_json(prompt) + R"(,"max_tokens":8,"temperature":0,"return_tokens":true})");
+  ASSERT_EQ(r.status, 200) << r.raw;
+  EXPECT_EQ(tokens_of(r.body), reference(prompt, 8));
+}
+
+TEST_F(ServeTwoStages, StreamedCompletionsAndChatMatchTheGenerator) {
+  pp::SamplingParams sp;
+  sp.temperature = 1.1, sp.seed = 99;
+  const Streamed s = post_stream(p(), "/v1/completions",
+                                 {{"prompt", "Once upon a time"}, {"max_tokens", 20}, {"temperature", 1.1}, {"seed", 99},
+                                  {"stream", true}, {"return_tokens", true}, {"stream_options", {{"include_usage", true}}}});
+  ASSERT_EQ(s.status, 200);
+  const auto want = reference(encode("Once upon a time"), 20, sp);
+  EXPECT_EQ(s.tokens, want);
+  EXPECT_EQ(s.text, text_of(want));
+  EXPECT_EQ(s.finish, "length");
+  EXPECT_TRUE(s.done) << "no data: [DONE]";
+  ASSERT_TRUE(s.usage.has_value());
+  EXPECT_EQ((*s.usage)["completion_tokens"], 20);
+
+  const std::vector<pp::node::ChatMessage> msgs = {{"system", "You are terse."}, {"user", "  Name a colour.  "}};
+  const auto chat_want = reference(chat_ids(msgs), 10);
+  const json body = {{"messages", {{{"role", "system"}, {"content", "You are terse."}},
+                                   {{"role", "user"}, {"content", "  Name a colour.  "}}}},
+                     {"max_tokens", 10}, {"temperature", 0}, {"return_tokens", true}};
+  const Reply full = post(p(), "/v1/chat/completions", body.dump());
+  ASSERT_EQ(full.status, 200) << full.raw;
+  EXPECT_EQ(full.body["object"], "chat.completion");
+  EXPECT_EQ(full.body["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(full.body["choices"][0]["message"]["content"], text_of(chat_want));
+  EXPECT_EQ(tokens_of(full.body), chat_want);
+
+  json streamed_body = body;
+  streamed_body["stream"] = true;
+  const Streamed cs = post_stream(p(), "/v1/chat/completions", streamed_body);
+  EXPECT_TRUE(cs.role_first) << "the first chunk's delta names the role";
+  EXPECT_EQ(cs.tokens, chat_want);
+  EXPECT_EQ(cs.text, text_of(chat_want));
+  EXPECT_EQ(cs.finish, "length");
+  EXPECT_TRUE(cs.done);
+}
+
+TEST_F(ServeTwoStages, StopStringCutsTheOutput) {
+  const auto want = reference(encode("The capital of France is"), 12);
+  const std::string full = text_of(want);
+  ASSERT_GE(full.size(), 8u);
+  const std::string stop = full.substr(full.size() / 2, 3);
+  const std::size_t cut = full.find(stop);
+  for (bool stream : {false, true}) {
+    const json body = {{"prompt", "The capital of France is"}, {"max_tokens", 12}, {"temperature", 0},
+                       {"stop", {stop, "\x01never"}}, {"stream", stream}};
+    if (stream) {
+      const Streamed s = post_stream(p(), "/v1/completions", body);
+      EXPECT_EQ(s.text, full.substr(0, cut));
+      EXPECT_EQ(s.finish, "stop");
+    } else {
+      const Reply r = post(p(), "/v1/completions", body.dump());
+      EXPECT_EQ(r.body["choices"][0]["text"], full.substr(0, cut));
+      EXPECT_EQ(r.body["choices"][0]["finish_reason"], "stop");
+    }
+  }
+}
+
+TEST_F(ServeTwoStages, BadRequestsAre4xxWithAMessage) {
+  struct Case {
+    std::string path, body;
+    int status;
+    std::string param, contains;
+  };
+  std::string long_prompt = "[";
+  for (int i = 0; i < 2100; ++i) long_prompt += (i ? ",1000" : "1000");
+  long_prompt += "]";
+  const std::vector<Case> cases = {
+      {"/v1/completions", R"({"prompt": "x", "max_tokens": 4,)", 400, "", "invalid JSON"},
+      {"/v1/completions", R"([1, 2])", 400, "", "JSON object"},
+      {"/v1/completions", R"({"max_tokens": 4})", 400, "prompt", "required"},
+      {"/v1/completions", R"({"prompt": "x", "temperature": 3})", 400, "temperature", "[0, 2]"},
+      {"/v1/completions", R"({"prompt": "x", "temperature": "hot"})", 400, "temperature", "number"},
+      {"/v1/completions", R"({"prompt": "x", "top_p": 0})", 400, "top_p", "(0, 1]"},
+      {"/v1/completions", R"({"prompt": "x", "min_p": 1.5})", 400, "min_p", "[0, 1)"},
+      {"/v1/completions", R"({"prompt": "x", "top_k": -5})", 400, "top_k", ">= 1"},
+      {"/v1/completions", R"({"prompt": "x", "max_tokens": 0})", 400, "max_tokens", ">= 1"},
+      {"/v1/completions", R"({"prompt": "x", "n": 2})", 400, "n", "n > 1"},
+      {"/v1/completions", R"({"prompt": "x", "logprobs": 3})", 400, "logprobs", "not supported"},
+      {"/v1/completions", R"({"prompt": "x", "echo": true})", 400, "echo", "not supported"},
+      {"/v1/completions", R"({"prompt": "x", "stop": [1]})", 400, "stop", "string"},
+      {"/v1/completions", R"({"prompt": ["a", "b"]})", 400, "prompt", "several prompts"},
+      {"/v1/completions", R"({"prompt": [1, 999999999]})", 400, "prompt", "outside the vocabulary"},
+      {"/v1/completions", R"({"prompt": )" + long_prompt + "}", 400, "prompt", "context"},
+      {"/v1/completions", R"({"prompt": "x", "max_tokens": 5000})", 400, "max_tokens", "context"},
+      {"/v1/chat/completions", R"({"messages": []})", 400, "messages", "non-empty"},
+      {"/v1/chat/completions", R"({"messages": [{"role": "wizard", "content": "x"}]})", 400, "messages[0].role", "not supported"},
+      {"/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "n": 3})", 400, "n", "n > 1"},
+      {"/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "stream": "yes"})", 400, "stream", "true or false"},
+  };
+  for (const Case& c : cases) {
+    const Reply r = post(p(), c.path, c.body);
+    EXPECT_EQ(r.status, c.status) << c.body << " -> " << r.raw;
+    ASSERT_TRUE(r.body.contains("error")) << c.body << " -> " << r.raw;
+    const std::string msg = r.body["error"].value("message", "");
+    EXPECT_NE(msg.find(c.contains), std::string::npos) << c.body << " -> " << msg;
+    EXPECT_EQ(r.body["error"]["type"], "invalid_request_error");
+    if (!c.param.empty()) {
+      EXPECT_EQ(r.body["error"]["param"], c.param) << c.body;
+    }
+  }
+  auto cl = p().client();
+  const auto get = cl->Get("/v1/completions");
+  ASSERT_TRUE(get);
+  EXPECT_EQ(get->status, 405);
+  EXPECT_EQ(get->get_header_value("Allow"), "POST");
+  EXPECT_NE(get->body.find("\"error\""), std::string::npos);
+  const auto nowhere = cl->Get("/v2/nothing");
+  ASSERT_TRUE(nowhere);
+  EXPECT_EQ(nowhere->status, 404);
+  EXPECT_NE(json::parse(nowhere->body)["error"].value("message", "").find("no such endpoint"), std::string::npos);
+  const auto del = cl->Delete("/v1/models");
+  ASSERT_TRUE(del);
+  EXPECT_EQ(del->status, 405);
+}
+
+TEST_F(ServeTwoStages, FieldsCommonClientsSendAreIgnored) {
+  const json body = {{"model", "gpt-3.5-turbo-instruct"}, {"prompt", "The capital of France is"}, {"max_tokens", 6},
+                     {"temperature", 0}, {"n", 1}, {"best_of", 1}, {"presence_penalty", 0}, {"frequency_penalty", 0.0},
+                     {"logit_bias", json::object()}, {"logprobs", nullptr}, {"user", "someone"}, {"echo", false},
+                     {"stream", false}, {"suffix", nullptr}, {"metadata", {{"k", "v"}}}, {"store", false},
+                     {"some_future_field", {1, 2, 3}}, {"return_tokens", true}};
+  const Reply r = post(p(), "/v1/completions", body.dump());
+  ASSERT_EQ(r.status, 200) << r.raw;
+  EXPECT_EQ(tokens_of(r.body), reference(encode("The capital of France is"), 6));
+  const json chat = {{"model", "gpt-4o"}, {"messages", {{{"role", "user"}, {"content", {{{"type", "text"}, {"text", "Hi"}}}}}}},
+                     {"max_completion_tokens", 4}, {"temperature", 0}, {"tools", json::array()}, {"parallel_tool_calls", true},
+                     {"response_format", {{"type", "text"}}}, {"stream_options", nullptr}, {"return_tokens", true}};
+  const Reply c = post(p(), "/v1/chat/completions", chat.dump());
+  ASSERT_EQ(c.status, 200) << c.raw;
+  EXPECT_EQ(tokens_of(c.body), reference(chat_ids({{"user", "Hi"}}), 4));
+}
+
+TEST_F(ServeTwoStages, EightClientsAtOnceGetTheSequentialOutputs) {
+  struct Job {
+    json body;
+    std::vector<int32_t> want;
+    bool stream;
+  };
+  std::vector<Job> jobs;
+  const char* prompts[] = {"The capital of France is", "Once upon a time", "1, 2, 3,", "def main():",
+                           "Roses are red", "The quick brown fox", "In 1492", "Hello"};
+  for (int i = 0; i < 8; ++i) {
+    pp::SamplingParams sp;
+    if (i % 2) sp.temperature = 0.9, sp.top_k = 50, sp.seed = uint64_t(100 + i);
+    const std::size_t n = std::size_t(24 + 3 * i);
+    json b = {{"prompt", prompts[i]}, {"max_tokens", n}, {"return_tokens", true}, {"stream", i % 3 == 0}};
+    if (i % 2) b["temperature"] = 0.9, b["top_k"] = 50, b["seed"] = 100 + i;
+    else b["temperature"] = 0;
+    jobs.push_back(Job{b, reference(encode(prompts[i]), n, sp), i % 3 == 0});
+  }
+  const auto before = parse_metrics(p().client()->Get("/metrics")->body);
+  std::vector<std::vector<int32_t>> got(8);
+  std::vector<std::thread> threads;
+  std::atomic<int> ready{0};
+  for (int i = 0; i < 8; ++i)
+    threads.emplace_back([&, i] {
+      ++ready;
+      while (ready.load() < 8) std::this_thread::yield();
+      if (jobs[i].stream) {
+        got[i] = post_stream(p(), "/v1/completions", jobs[i].body).tokens;
+      } else {
+        const Reply r = post(p(), "/v1/completions", jobs[i].body.dump());
+        if (r.status == 200) got[i] = tokens_of(r.body);
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(got[i], jobs[i].want) << "client " << i;
+  // Sessions decoding at the same step shared passes over the weights: fewer batches than rows.
+  const auto after = parse_metrics(p().client()->Get("/metrics")->body);
+  const double batches = after.at("pp_batches_total") - before.at("pp_batches_total");
+  const double tokens = after.at("pp_tokens_generated_total") - before.at("pp_tokens_generated_total");
+  EXPECT_EQ(tokens, 8 * 24 + 3 * 28);
+  EXPECT_LT(batches, tokens * 0.75) << "no batching across sessions";
+  EXPECT_TRUE(wait_worker_sessions(p(), 0, 5s));
+}
+
+// A client that stops reading holds up only its own response.
+TEST_F(ServeTwoStages, SlowClientDoesNotStallOthers) {
+  std::atomic<bool> slow_started{false};
+  std::thread slow([&] {
+    auto c = p().client();
+    httplib::Request q;
+    q.method = "POST";
+    q.path = "/v1/completions";
+    q.body = json{{"prompt", "Slow"}, {"max_tokens", 400}, {"temperature", 0}, {"stream", true}}.dump();
+    q.set_header("Content-Type", "application/json");
+    bool first = true;
+    q.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) {
+      if (first) {
+        first = false;
+        slow_started.store(true);
+        std::this_thread::sleep_for(4s);  // reads nothing meanwhile
+      }
+      return true;
+    };
+    c->send(q);
+  });
+  while (!slow_started.load()) std::this_thread::sleep_for(5ms);
+  const auto t0 = Clock::now();
+  const Reply r = post(p(), "/v1/completions", R"({"prompt":"Fast","max_tokens":30,"temperature":0,"return_tokens":true})");
+  const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(tokens_of(r.body), reference(encode("Fast"), 30));
+  EXPECT_LT(s, 3.0) << "the fast request waited for the slow client";
+  slow.join();
+}
+
+TEST_F(ServeTwoStages, MetricsParseAndNameEveryStage) {
+  post(p(), "/v1/completions", R"({"prompt":"metrics","max_tokens":3,"temperature":0})");
+  auto c = p().client();
+  const auto res = c->Get("/metrics");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  EXPECT_NE(res->get_header_value("Content-Type").find("text/plain"), std::string::npos);
+  const auto m = parse_metrics(res->body);
+  for (const char* name : {"pp_tokens_generated_total", "pp_tokens_per_second", "pp_queue_depth", "pp_sessions_active",
+                           "pp_prompt_tokens_total", "pp_time_to_first_token_seconds_count", "pp_pipeline_up"})
+    EXPECT_TRUE(m.count(name)) << name << " missing in:\n" << res->body;
+  const std::string w = "127.0.0.1:" + std::to_string(p().worker_ports[0]);
+  for (const std::string& key : std::vector<std::string>{
+           "pp_stage_compute_seconds_total{stage=\"0\",layers=\"0-3\",instance=\"coordinator\"}",
+        "pp_stage_compute_seconds_total{stage=\"1\",layers=\"3-6\",instance=\"" + w + "\"}",
+        "pp_stage_transfer_seconds_total{stage=\"1\",layers=\"3-6\",instance=\"" + w + "\"}",
+        "pp_wire_bytes_total{stage=\"1\",layers=\"3-6\",instance=\"" + w + "\",direction=\"received\"}",
+        "pp_stage_sessions_active{stage=\"1\",layers=\"3-6\",instance=\"" + w + "\"}",
+        "pp_stage_up{stage=\"1\",layers=\"3-6\",instance=\"" + w + "\"}"})
+    EXPECT_TRUE(m.count(key)) << key << " missing in:\n" << res->body;
+  EXPECT_GT(m.at("pp_tokens_generated_total"), 0);
+  EXPECT_GT(m.at("pp_stage_compute_seconds_total{stage=\"1\",layers=\"3-6\",instance=\"" + w + "\"}"), 0);
+  EXPECT_EQ(m.at("pp_pipeline_up"), 1);
+
+  const auto models = c->Get("/v1/models");
+  ASSERT_TRUE(models);
+  const json j = json::parse(models->body);
+  EXPECT_EQ(j["object"], "list");
+  EXPECT_EQ(j["data"][0]["id"], "serve.gguf");
+  const auto health = c->Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  EXPECT_EQ(json::parse(health->body)["status"], "ok");
+}
+
+// ================================================================ three stages
+
+TEST(ServeThreeStages, CompletionsAndChatStreamedAndNot) {
+  REQUIRE_MODEL();
+  auto p = start_pipeline(2, {"--cuts", "2,4"});
+  ASSERT_TRUE(p);
+  pp::SamplingParams sp;
+  sp.temperature = 0.7, sp.top_p = 0.9, sp.seed = 5;
+  const auto want = reference(encode("Three stages"), 15, sp);
+  const Reply r = post(*p, "/v1/completions",
+                       R"({"prompt":"Three stages","max_tokens":15,"temperature":0.7,"top_p":0.9,"seed":5,"return_tokens":true})");
+  ASSERT_EQ(r.status, 200) << r.raw;
+  EXPECT_EQ(tokens_of(r.body), want);
+  const Streamed s = post_stream(*p, "/v1/completions",
+                                 {{"prompt", "Three stages"}, {"max_tokens", 15}, {"temperature", 0.7}, {"top_p", 0.9},
+                                  {"seed", 5}, {"stream", true}, {"return_tokens", true}});
+  EXPECT_EQ(s.tokens, want);
+  EXPECT_TRUE(s.done);
+  const auto chat_want = reference(chat_ids({{"user", "Hello there"}}), 9);
+  const json chat = {{"messages", {{{"role", "user"}, {"content", "Hello there"}}}}, {"max_tokens", 9}, {"temperature", 0},
+                     {"return_tokens", true}};
+  const Reply c = post(*p, "/v1/chat/completions", chat.dump());
+  EXPECT_EQ(tokens_of(c.body), chat_want);
+  json chat_stream = chat;
+  chat_stream["stream"] = true;
+  const Streamed cs = post_stream(*p, "/v1/chat/completions", chat_stream);
+  EXPECT_EQ(cs.tokens, chat_want);
+  EXPECT_EQ(cs.text, text_of(chat_want));
+  EXPECT_TRUE(wait_worker_sessions(*p, 0, 5s));
+}
+
+// A client that disconnects mid-stream: its session is freed on the coordinator and every worker.
+TEST(ServeThreeStages, CancelMidStreamFreesTheSessionOnEveryStage) {
+  REQUIRE_MODEL();
+  auto p = start_pipeline(2, {"--cuts", "2,4"});
+  ASSERT_TRUE(p);
+  std::atomic<int> chunks{0};
+  std::atomic<bool> seen_open{false};
+  std::thread client([&] {
+    auto c = p->client();
+    httplib::Request q;
+    q.method = "POST";
+    q.path = "/v1/completions";
+    q.body = json{{"prompt", "Never ending"}, {"max_tokens", 2000}, {"temperature", 0}, {"stream", true}}.dump();
+    q.set_header("Content-Type", "application/json");
+    q.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) {
+      if (++chunks == 3) {
+        // While it streams, every worker holds its session.
+        bool all = true;
+        for (uint16_t port : p->worker_ports) all = all && worker_sessions(port) == 1;
+        seen_open.store(all);
+      }
+      return chunks < 6;  // then hang up
+    };
+    c->send(q);
+  });
+  client.join();
+  EXPECT_TRUE(seen_open.load()) << "the workers did not report the streaming session";
+  EXPECT_TRUE(wait_worker_sessions(*p, 0, 5s)) << "a worker still holds the cancelled session";
+  const auto deadline = Clock::now() + 5s;
+  std::map<std::string, double> m;
+  do {
+    m = parse_metrics(p->client()->Get("/metrics")->body);
+    if (m["pp_sessions_active"] == 0 && m["pp_requests_total{outcome=\"cancelled\"}"] == 1) break;
+    std::this_thread::sleep_for(20ms);
+  } while (Clock::now() < deadline);
+  EXPECT_EQ(m["pp_sessions_active"], 0);
+  EXPECT_EQ(m["pp_requests_total{outcome=\"cancelled\"}"], 1);
+  EXPECT_LT(m["pp_tokens_generated_total"], 1500) << "the generation ran on after the client left";
+  // And the pipeline still serves.
+  const Reply r = post(*p, "/v1/completions", R"({"prompt":"after","max_tokens":4,"temperature":0,"return_tokens":true})");
+  EXPECT_EQ(tokens_of(r.body), reference(encode("after"), 4));
+}
+
+TEST(ServeThreeStages, CutsAutoProbesPlansAndServes) {
+  REQUIRE_MODEL();
+  auto p = start_pipeline(2, {"--cuts", "auto"});
+  ASSERT_TRUE(p);
+  const std::string out = p->coordinator->out();
+  EXPECT_NE(out.find("cut plan (--cuts auto)"), std::string::npos) << out;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(  --cuts (\d+),(\d+))"))) << out;
+  const int c1 = std::stoi(m[1]), c2 = std::stoi(m[2]);
+  EXPECT_TRUE(0 < c1 && c1 < c2 && c2 < 6) << out;
+  EXPECT_NE(out.find("stage 2  127.0.0.1:"), std::string::npos) << out;
+  const Reply r = post(*p, "/v1/completions", R"({"prompt":"auto","max_tokens":6,"temperature":0,"return_tokens":true})");
+  EXPECT_EQ(tokens_of(r.body), reference(encode("auto"), 6));
+}
+
+// A worker that dies mid-stream: the stream ends with an error event, /health says 503, and once a worker
+// is back on that port the next request re-establishes the chain and succeeds.
+TEST(ServeFaults, WorkerLossFailsTheStreamAndTheChainReconnects) {
+  REQUIRE_MODEL();
+  const uint16_t wport = pp::test::free_port();
+  auto worker = [&] {
+    auto w = std::make_unique<Process>(std::vector<std::string>{node_bin(), "--worker", "--model", model().path, "--host",
+                                                                "127.0.0.1", "--port", std::to_string(wport), "--threads", "1"});
+    EXPECT_TRUE(w->wait_output("  (Ctrl-C to stop)", 10s)) << w->out() << w->err();
+    return w;
+  };
+  auto w = worker();
+  Process coord({node_bin(), "--coordinator", "127.0.0.1:" + std::to_string(wport), "--model", model().path, "--serve",
+                 "--http-port", "0", "--threads", "1", "--timeout", "3"});
+  ASSERT_TRUE(coord.wait_output("(POST /v1/completions", 20s)) << coord.out() << coord.err();
+  Pipeline p;
+  p.port = *port_in(coord.out(), R"(on http://127\.0\.0\.1:(\d+))");
+  auto c = p.client();
+  httplib::Request q;
+  q.method = "POST";
+  q.path = "/v1/completions";
+  q.body = json{{"prompt", "Doomed"}, {"max_tokens", 2000}, {"temperature", 0}, {"stream", true}}.dump();
+  q.set_header("Content-Type", "application/json");
+  std::string body;
+  int chunks = 0;
+  q.content_receiver = [&](const char* d, size_t n, uint64_t, uint64_t) {
+    body.append(d, n);
+    if (++chunks == 3) w->kill_hard();
+    return true;
+  };
+  const auto t0 = Clock::now();
+  c->send(q);
+  EXPECT_LT(Clock::now() - t0, 10s);
+  EXPECT_NE(body.find("\"error\""), std::string::npos) << body.substr(body.size() > 600 ? body.size() - 600 : 0);
+  EXPECT_NE(body.find("the pipeline failed"), std::string::npos);
+  EXPECT_NE(body.find("data: [DONE]"), std::string::npos);
+  auto health = [&] {
+    const auto r = p.client()->Get("/health");
+    return r ? r->status : 0;
+  };
+  EXPECT_EQ(health(), 503);
+  const Reply refused = post(p, "/v1/completions", R"({"prompt":"x","max_tokens":2,"temperature":0})");
+  EXPECT_EQ(refused.status, 503) << refused.raw;
+  EXPECT_NE(refused.raw.find("unavailable"), std::string::npos) << refused.raw;
+  w = worker();
+  const Reply r = post(p, "/v1/completions", R"({"prompt":"back","max_tokens":5,"temperature":0,"return_tokens":true})");
+  ASSERT_EQ(r.status, 200) << r.raw;
+  EXPECT_EQ(tokens_of(r.body), reference(encode("back"), 5));
+  EXPECT_EQ(health(), 200);
+}
+
+// ================================================================ the terminal chat
+
+TEST(ServeChat, TerminalChatStreamsRepliesAndKeepsTheConversation) {
+  REQUIRE_MODEL();
+  auto w = std::make_unique<Process>(std::vector<std::string>{node_bin(), "--worker", "--model", model().path, "--host",
+                                                              "127.0.0.1", "--port", "0", "--threads", "1"});
+  ASSERT_TRUE(w->wait_output("  (Ctrl-C to stop)", 10s));
+  const auto port = port_in(w->out(), R"(listening on 127\.0\.0\.1:(\d+))");
+  ASSERT_TRUE(port);
+  const fs::path input = model().dir / "chat-input.txt";
+  std::ofstream(input) << "Hello\nAnd then?\n";
+  const std::string cmd = node_bin() + " --coordinator 127.0.0.1:" + std::to_string(*port) + " --model " + model().path +
+                          " --chat --tokens 8 --threads 1 < " + input.string();
+  const pp::test::RunResult r = pp::test::run_process({"/bin/sh", "-c", cmd}, 25s);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("loading: stage 0 [0, 3)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("chat: Llama-3"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("(chat ended)"), std::string::npos) << r.out;
+
+  // The reference: turn 1, then its last token, the end of turn, turn 2, all in one sequence.
+  pp::LocalPipeline pipe(model().path, {3}, pp::WireDType::F32, {.threads = 1});
+  std::vector<float> logits(pipe.config().n_vocab);
+  pp::Sampler sampler;
+  int64_t pos = 0;
+  auto generate = [&](std::vector<int32_t> feed) {
+    std::vector<int32_t> out;
+    for (int i = 0; i < 8; ++i) {
+      pipe.run(feed, pos, logits.data(), 1);
+      pos += int64_t(feed.size());
+      out.push_back(sampler.sample(logits, {}, pos));
+      feed.assign(1, out.back());
+    }
+    return out;
+  };
+  const auto turn1 = generate(chat_ids({{"user", "Hello"}}));
+  std::vector<int32_t> feed2{turn1.back()};
+  const auto rest = model().tok->encode("<|eot_id|>" + pp::node::render_turn("user", "And then?") +
+                                            pp::node::kAssistantHeader, false, true);
+  feed2.insert(feed2.end(), rest.begin(), rest.end());
+  const auto turn2 = generate(feed2);
+  const std::string expect = "> " + text_of(turn1) + "\n\n> " + text_of(turn2) + "\n";
+  EXPECT_NE(r.out.find(expect), std::string::npos) << "expected\n" << expect << "\nin\n" << r.out;
+}
+
+}  // namespace

@@ -1,0 +1,86 @@
+// pp_node --chat: an interactive terminal chat through the pipeline, one line per message, replies streamed.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "node/chat_template.hpp"
+#include "node/serve_engine.hpp"
+
+namespace pp::node {
+
+struct ChatOptions {
+  std::string system;           // optional system message
+  uint32_t max_tokens = 512;    // per reply
+  SamplingParams sampling;
+  bool ignore_eos = false;
+};
+
+// Reads lines from `in` until EOF, an empty line or *stop; returns the exit status. The conversation's
+// session stays open between turns, so each turn feeds only its new tokens.
+inline int run_chat(ServeEngine& engine, const ChatTemplate& tmpl, const ChatOptions& o, std::istream& in,
+                    std::ostream& out, const std::atomic<bool>* stop) {
+  const Tokenizer& tok = *engine.tokenizer();
+  const std::string bos = tok.bos() == kNoTokenId ? std::string() : std::string(tok.token_text(tok.bos()));
+  out << "chat: " << tmpl.description << "\n"
+      << "type a message and Enter; an empty line or Ctrl-D ends the chat, /reset starts a new conversation\n";
+  auto conv = std::make_shared<Conversation>();
+  bool first = true;
+  bool close_turn = false;  // the last reply ended without <|eot_id|> (max tokens): the next turn adds it
+  std::string line;
+  while (!(stop && stop->load())) {
+    out << "\n> " << std::flush;
+    if (!std::getline(in, line) || line.empty()) break;
+    if (line == "/reset") {
+      engine.end_conversation(conv);
+      conv = std::make_shared<Conversation>();
+      first = true;
+      close_turn = false;
+      out << "(new conversation)\n";
+      continue;
+    }
+    std::string text;
+    if (first) {
+      std::vector<ChatMessage> msgs;
+      if (!o.system.empty()) msgs.push_back({"system", o.system});
+      msgs.push_back({"user", line});
+      text = render_chat(tmpl, msgs, bos);
+    } else {
+      text = (close_turn ? "<|eot_id|>" : "") + render_turn("user", line) + kAssistantHeader;
+    }
+    first = false;
+    GenParams p;
+    p.sampling = o.sampling;
+    p.max_tokens = o.max_tokens;
+    p.ignore_eos = o.ignore_eos;
+    std::shared_ptr<GenStream> reply = engine.submit(tok.encode(text, false, true), p, conv);
+    std::vector<GenStream::Piece> pieces;
+    bool more = true;
+    while (more) {
+      pieces.clear();
+      more = reply->next(pieces, std::chrono::milliseconds(100));
+      for (const auto& piece : pieces) out << piece.text;
+      out << std::flush;
+      if (stop && stop->load()) {
+        reply->cancel();
+        break;
+      }
+    }
+    out << "\n";
+    if (reply->finish() == Finish::error) {
+      out << "(error: " << reply->error() << ")\n";
+      first = true;  // the conversation is gone with the session: start over
+      conv = std::make_shared<Conversation>();
+    }
+    close_turn = reply->finish() == Finish::length;
+  }
+  engine.end_conversation(conv);
+  out << "\n(chat ended)" << std::endl;
+  return 0;
+}
+
+}  // namespace pp::node
