@@ -42,6 +42,7 @@ class HttpServer {
   HttpServer(ServeEngine& engine, ApiContext api, HttpOptions o) : engine_(engine), api_(std::move(api)), o_(std::move(o)) {
     const std::size_t n = o_.threads;
     svr_.new_task_queue = [n] { return new httplib::ThreadPool(n); };
+    svr_.set_tcp_nodelay(true);  // each streamed token leaves at once
     svr_.set_payload_max_length(8u << 20);
     svr_.set_keep_alive_timeout(5);
     svr_.set_read_timeout(30);
