@@ -58,7 +58,7 @@ struct StageOptions {
 class Sequence {
  public:
   Sequence(const Config& c, std::size_t n_blocks, std::size_t ctx, std::size_t max_rows, unsigned threads)
-      : kv(n_blocks, ctx, c.kv_dim()), scratch(c, max_rows, ctx, threads) {}
+      : kv(n_blocks, ctx, c.n_head_kv, c.head_dim), scratch(c, max_rows, ctx, threads) {}
   int64_t n_past() const { return kv.n_past(); }
   KvCache kv;
   Scratch scratch;
@@ -110,6 +110,10 @@ class Stage {
 
   // rows[n, n_embd] at positions pos..pos+n-1 through this stage's blocks, in place. Validates the request
   // against the sequence's cache first (see KvCache) and leaves it unchanged when refused.
+  // A request of kernels::kBulkRows rows or more (a prompt) may run on AMX tiles, which round in another
+  // order than the vector path shorter requests take: a row's result depends on its own request's size
+  // (never on threads, chunking at max_rows or other sequences), so runs that feed the same requests
+  // agree bit for bit.
   void forward(Sequence& seq, int64_t pos, float* rows, std::size_t n) const {
     const BatchEntry e{&seq, pos, n};
     forward_batch({&e, 1}, rows);
@@ -145,7 +149,7 @@ class Stage {
         const BatchEntry& b = batch[entry];
         const std::size_t take = std::min(b.n - done, max_rows_ - m);
         const int64_t p = b.pos + int64_t(done);
-        segs[n_segs] = Segment{&b.seq->kv, p, m, take};
+        segs[n_segs] = Segment{&b.seq->kv, p, m, take, b.n >= kernels::kBulkRows};
         for (std::size_t i = 0; i < take; ++i) {
           rope_.table(p + int64_t(i), s.cos.data() + (m + i) * hp, s.sin.data() + (m + i) * hp);
           s.row_seg[m + i] = uint32_t(n_segs);
@@ -169,7 +173,8 @@ class Stage {
       for (std::size_t i = 0; i < m; ++i)
         kernels::rmsnorm(rows + (c0 + i) * cfg_.n_embd, out_norm_, cfg_.rms_eps, cfg_.n_embd,
                          s.xn.data() + i * cfg_.n_embd);
-      kernels::matmul(*pool_, output_, s.xn.data(), m, logits + c0 * cfg_.n_vocab, {fast_quant_, s.xq.span()});
+      kernels::matmul(*pool_, output_, s.xn.data(), m, logits + c0 * cfg_.n_vocab, {fast_quant_, s.xq.span()},
+                      n >= kernels::kBulkRows);
     }
   }
 

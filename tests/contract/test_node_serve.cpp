@@ -673,6 +673,81 @@ TEST(ServeThreeStages, CancelMidStreamFreesTheSessionOnEveryStage) {
   EXPECT_EQ(tokens_of(r.body), reference(encode("after"), 4));
 }
 
+// A non-streamed request not done within a second gets a 200 at once, then a space every second until its
+// body; a client that hangs up meanwhile cancels the generation on every stage.
+TEST(ServeThreeStages, CancelNonStreamedFreesTheSessionOnEveryStage) {
+  REQUIRE_MODEL();
+  auto p = start_pipeline(2, {"--cuts", "2,4"});
+  ASSERT_TRUE(p);
+  const json body = {{"prompt", "Never ending"}, {"max_tokens", 2000}, {"temperature", 0}, {"ignore_eos", true}};
+  int status = 0;
+  bool seen_open = false;
+  std::thread client([&] {
+    auto c = p->client();
+    httplib::Request q;
+    q.method = "POST";
+    q.path = "/v1/completions";
+    q.body = body.dump();
+    q.set_header("Content-Type", "application/json");
+    q.set_header("Accept-Encoding", "gzip, deflate");  // a compressed body would hold the spaces back
+    q.response_handler = [&](const httplib::Response& r) {
+      status = r.status;
+      // While it runs, every worker holds its session.
+      seen_open = true;
+      for (uint16_t port : p->worker_ports) seen_open = seen_open && worker_sessions(port) == 1;
+      return false;  // then hang up
+    };
+    c->send(q);
+  });
+  client.join();
+  EXPECT_EQ(status, 200);
+  EXPECT_TRUE(seen_open) << "the workers did not report the session";
+  EXPECT_TRUE(wait_worker_sessions(*p, 0, 5s)) << "a worker still holds the cancelled session";
+  const auto deadline = Clock::now() + 5s;
+  std::map<std::string, double> m;
+  do {
+    m = parse_metrics(p->client()->Get("/metrics")->body);
+    if (m["pp_sessions_active"] == 0 && m["pp_requests_total{outcome=\"cancelled\"}"] == 1) break;
+    std::this_thread::sleep_for(20ms);
+  } while (Clock::now() < deadline);
+  EXPECT_EQ(m["pp_sessions_active"], 0);
+  EXPECT_EQ(m["pp_requests_total{outcome=\"cancelled\"}"], 1);
+  EXPECT_LT(m["pp_tokens_generated_total"], 1500) << "the generation ran on after the client left";
+  // And the pipeline still serves.
+  const Reply r = post(*p, "/v1/completions", R"({"prompt":"after","max_tokens":4,"temperature":0,"return_tokens":true})");
+  EXPECT_EQ(r.status, 200) << r.raw;
+  EXPECT_EQ(tokens_of(r.body), reference(encode("after"), 4));
+  // A client that waits gets the whole completion, after the spaces.
+  json whole = body;
+  whole["return_tokens"] = true;
+  const auto w = p->client()->Post("/v1/completions", whole.dump(), "application/json");
+  ASSERT_TRUE(w);
+  EXPECT_EQ(w->status, 200);
+  EXPECT_EQ(w->get_header_value("Transfer-Encoding"), "chunked") << "done within a second: not the case under test";
+  const json j = json::parse(w->body);
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(tokens_of(j), reference(encode("Never ending"), 2000));
+  // A failure once the 200 has gone (a worker killed: the last use of this pipeline): the body is the error.
+  httplib::Request q;
+  q.method = "POST";
+  q.path = "/v1/completions";
+  q.body = body.dump();
+  q.set_header("Content-Type", "application/json");
+  q.response_handler = [&](const httplib::Response& r) {
+    EXPECT_EQ(r.status, 200);
+    p->workers[1]->kill_hard();
+    return true;
+  };
+  std::string failed;
+  q.content_receiver = [&](const char* d, size_t n, uint64_t, uint64_t) {
+    failed.append(d, n);
+    return true;
+  };
+  p->client()->send(q);
+  const json e = json::parse(failed);
+  EXPECT_NE(e["error"]["message"].get<std::string>().find("the pipeline failed"), std::string::npos) << failed;
+}
+
 TEST(ServeThreeStages, CutsAutoProbesPlansAndServes) {
   REQUIRE_MODEL();
   auto p = start_pipeline(2, {"--cuts", "auto"});

@@ -207,8 +207,9 @@ TEST(ThreadPool, CoversEveryIndexOnce) {
 }  // namespace
 
 namespace {
-// Through pp::kernels::matmul: on AMX machines BF16 weights run on tiles (32-row blocks) with the
-// remaining rows on the AVX path; both must match the oracle and be independent of batch and threads.
+// Through pp::kernels::matmul for bulk rows: on AMX machines BF16/F16 weights run on tiles (32-row
+// blocks) with the remaining rows on the AVX path; both must match the oracle and be independent of
+// batch and threads.
 TEST(Matmul, DispatchedHalfPathsMatchOracleAndAreBatchInvariant) {
   std::printf("AMX %s\n", pp::kernels::amx::available() ? "available: tiles in use for BF16/F16" : "not available");
   std::mt19937 rng(11);
@@ -221,11 +222,11 @@ TEST(Matmul, DispatchedHalfPathsMatchOracleAndAreBatchInvariant) {
       pp::MatView mv{type, w.bytes.data(), rows, cols, cols * 2};
       std::vector<float> y(m * rows), y1(rows), y3(m * rows);
       pp::ThreadPool p1(1), p3(3);
-      pp::kernels::matmul(p1, mv, x.data(), m, y.data());
-      pp::kernels::matmul(p3, mv, x.data(), m, y3.data());
+      pp::kernels::matmul(p1, mv, x.data(), m, y.data(), {}, /*bulk=*/true);
+      pp::kernels::matmul(p3, mv, x.data(), m, y3.data(), {}, true);
       EXPECT_EQ(y, y3);
       for (std::size_t i = 0; i < m; ++i) {
-        pp::kernels::matmul(p1, mv, x.data() + i * cols, 1, y1.data());
+        pp::kernels::matmul(p1, mv, x.data() + i * cols, 1, y1.data(), {}, true);
         for (std::size_t r = 0; r < rows; ++r) {
           ASSERT_EQ(y1[r], y[i * rows + r]) << "row " << r << " token " << i;
           double want = 0, mag = 0;

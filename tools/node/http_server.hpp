@@ -4,10 +4,14 @@
 //   GET  /v1/models, /v1/models/{id}, /health, /metrics (Prometheus text)
 //
 // Each request runs on one of the server's threads and reads its own GenStream, so a client that reads
-// slowly only slows its own response; a streamed response whose client goes away cancels its generation
-// (its sessions are closed on every stage). Errors are OpenAI-style JSON with their status code.
+// slowly only slows its own response; a client that goes away cancels its generation (its sessions are
+// closed on every stage). A streamed response notices at its next write (a ": keep-alive" comment every 2 s
+// when idle); a non-streamed one that has not finished within a second commits a 200 and writes a space
+// (leading JSON whitespace) every second until its body, so an error after that second is reported in the
+// body of the 200. Errors are OpenAI-style JSON with their status code.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <ctime>
@@ -16,6 +20,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <httplib.h>
@@ -61,9 +66,11 @@ class HttpServer {
   void stop() { svr_.stop(); }
 
  private:
+  static std::string dump(const json& body) { return body.dump(-1, ' ', false, json::error_handler_t::replace); }
+
   static void send_json(httplib::Response& res, int status, const json& body) {
     res.status = status;
-    res.set_content(body.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
+    res.set_content(dump(body), "application/json");
   }
 
   static void send_error(httplib::Response& res, const ApiError& e) { send_json(res, e.status, error_body(e)); }
@@ -150,6 +157,66 @@ class HttpServer {
     send_json(r, 503, {{"status", "unavailable"}, {"error", m.link_error.empty() ? "the pipeline is not connected" : m.link_error}});
   }
 
+  static constexpr std::chrono::seconds kKeepAlive{1};  // a non-streamed request's wait, then its space interval
+
+  // Takes `out`'s output into `pieces` for up to `wait`; true once the generation has ended and all of it is taken.
+  static bool collect(GenStream& out, std::vector<GenStream::Piece>& pieces, std::chrono::milliseconds wait) {
+    const auto until = std::chrono::steady_clock::now() + wait;
+    for (;;) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+      if (!out.next(pieces, std::max(left, std::chrono::milliseconds(0)))) return true;
+      if (left <= std::chrono::milliseconds(0)) return false;
+    }
+  }
+
+  // A finished non-streamed generation's status and body: the whole completion, or the error.
+  static std::pair<int, json> whole_response(const ApiRequest& r, const ResponseMeta& meta, const GenStream& out,
+                                             const std::vector<GenStream::Piece>& pieces) {
+    if (out.finish() == Finish::error) return {503, error_body(server_error(503, out.error()))};
+    std::string text;
+    std::vector<int32_t> tokens;
+    for (const auto& p : pieces) {
+      text += p.text;
+      tokens.insert(tokens.end(), p.tokens.begin(), p.tokens.end());
+    }
+    return {200, full_response(r, meta, text, tokens, out.finish(), out.prompt_tokens(), out.completion_tokens())};
+  }
+
+  // A non-streamed request. Done within a second: the reply with its status. Else a 200 is committed and a
+  // space (JSON allows leading whitespace) is written every second until the body; a client that went away
+  // is noticed (a failed write, or the connection seen closed) and its generation cancelled. An error from
+  // then on is the body of the 200.
+  static void generate_whole(ApiRequest r, const ResponseMeta& meta, std::shared_ptr<GenStream> out,
+                             httplib::Response& res) {
+    auto pieces = std::make_shared<std::vector<GenStream::Piece>>();
+    if (collect(*out, *pieces, kKeepAlive)) {
+      const auto [status, body] = whole_response(r, meta, *out, *pieces);
+      return send_json(res, status, body);
+    }
+    // "; charset=utf-8": httplib compresses a plain "application/json" for clients that accept gzip, and
+    // the compressor would hold the spaces back instead of writing them.
+    res.set_chunked_content_provider(
+        "application/json; charset=utf-8",
+        [r = std::move(r), meta, out, pieces](std::size_t, httplib::DataSink& sink) {
+          // Up to a second for the end, looking every 100 ms for a closed connection (is_writable peeks at
+          // the socket without writing); then a space.
+          const auto until = std::chrono::steady_clock::now() + kKeepAlive;
+          while (std::chrono::steady_clock::now() < until) {
+            if (collect(*out, *pieces, std::chrono::milliseconds(100))) {
+              const std::string body = dump(whole_response(r, meta, *out, *pieces).second);
+              if (!sink.write(body.data(), body.size())) return false;
+              sink.done();
+              return true;
+            }
+            if (!sink.is_writable()) return false;  // the client went away
+          }
+          return sink.write(" ", 1);
+        },
+        [out](bool success) {
+          if (!success || !out->done()) out->cancel();  // the client went away
+        });
+  }
+
   void generate(const httplib::Request& q, httplib::Response& res, bool chat) {
     ApiRequest r;
     try {
@@ -161,20 +228,7 @@ class HttpServer {
     }
     const ResponseMeta meta{new_id(chat ? "chatcmpl-" : "cmpl-"), int64_t(std::time(nullptr)), o_.model_id};
     std::shared_ptr<GenStream> out = engine_.submit(r.prompt, r.gen);
-    if (!r.stream) {
-      std::vector<GenStream::Piece> pieces;
-      while (out->next(pieces, std::chrono::milliseconds(500))) {
-      }
-      if (out->finish() == Finish::error) return send_error(res, server_error(503, out->error()));
-      std::string text;
-      std::vector<int32_t> tokens;
-      for (const auto& p : pieces) {
-        text += p.text;
-        tokens.insert(tokens.end(), p.tokens.begin(), p.tokens.end());
-      }
-      return send_json(res, 200, full_response(r, meta, text, tokens, out->finish(), out->prompt_tokens(),
-                                               out->completion_tokens()));
-    }
+    if (!r.stream) return generate_whole(std::move(r), meta, std::move(out), res);
     struct StreamState {
       ApiRequest r;
       ResponseMeta meta;

@@ -807,6 +807,17 @@ class ServeEngine {
     ready_.push_back(s.id);
   }
 
+  // Rows of a prompt with `left` rows to go fed in the next entry. Depends on the prompt only, not on
+  // what else is in the batch: a row's arithmetic depends on its request's size (kernels::kBulkRows),
+  // so a session's output is the same whether it runs alone or with others. The last piece of a bulk
+  // prompt is kept bulk too, so the rows take the path they take when the prompt runs in one piece.
+  std::size_t feed_rows(std::size_t left) const {
+    const std::size_t chunk = std::min<std::size_t>({kPrefillChunk, kBatchRows, ctx_});
+    if (left <= chunk) return left;
+    if (chunk > 2 * kernels::kBulkRows && left - chunk < kernels::kBulkRows) return left - kernels::kBulkRows;
+    return chunk;
+  }
+
   // One micro-batch: up to ceil(live / n_stages) ready sessions, stage 0's layers for all of them in
   // one pass, one BATCH frame down the chain.
   bool send_batch() {
@@ -819,8 +830,8 @@ class ServeEngine {
     std::size_t rows = 0;
     while (!ready_.empty() && entries.size() < std::max<std::size_t>(cap, 1) && rows < budget) {
       Session& s = sessions_.at(ready_.front());
-      const std::size_t n = std::min({s.feed.size() - s.feed_at, std::min<std::size_t>(kPrefillChunk, ctx_), budget - rows});
-      if (n == 0) break;
+      const std::size_t n = feed_rows(s.feed.size() - s.feed_at);
+      if (n == 0 || (rows > 0 && rows + n > budget)) break;  // the next batch takes it whole
       ready_.pop_front();
       entries.push_back(net::BatchEntry{s.id, uint64_t(s.pos), uint32_t(n), 0});
       run.push_back(Stage::BatchEntry{&*s.seq, s.pos, n});

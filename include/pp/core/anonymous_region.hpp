@@ -1,4 +1,5 @@
-// An anonymous private memory region advised for transparent huge pages (RAII), for resident weights.
+// An anonymous private memory region advised for transparent huge pages (RAII): resident weights, KV
+// caches. Zero-filled, and pages are only backed once touched.
 #pragma once
 
 #include <pp/core/error.hpp>
@@ -17,11 +18,11 @@ namespace pp {
 class AnonymousRegion {
  public:
   AnonymousRegion() = default;
-  explicit AnonymousRegion(std::size_t bytes) : size_(bytes) {
+  explicit AnonymousRegion(std::size_t bytes, const char* what = "resident weights") : size_(bytes) {
     if (bytes == 0) return;
     void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED)
-      throw Error("cannot allocate " + std::to_string(bytes >> 20) + " MiB for resident weights: " + std::strerror(errno));
+      throw Error("cannot allocate " + std::to_string(bytes >> 20) + " MiB for " + what + ": " + std::strerror(errno));
     ::madvise(p, bytes, MADV_HUGEPAGE);  // best effort: THP may be off
     data_ = static_cast<uint8_t*>(p);
   }
@@ -38,6 +39,7 @@ class AnonymousRegion {
   }
   ~AnonymousRegion() { release(); }
   uint8_t* data() { return data_; }
+  const uint8_t* data() const { return data_; }
   std::size_t size() const { return size_; }
 
  private:

@@ -16,7 +16,14 @@
 #include <cstddef>
 #include <span>
 
+#ifndef PP_PREFETCH_BYTES
+#define PP_PREFETCH_BYTES 2048
+#endif
+
 namespace pp::kernels {
+
+// How far ahead of the weights being read they are prefetched (bytes).
+inline constexpr std::size_t kPrefetchBytes = PP_PREFETCH_BYTES;
 
 // y[t * y_stride] = dot(w[0, n), x[t * x_stride + (0, n)]) for t < NT tokens.
 template <class A, class WT, int NT>
@@ -30,6 +37,10 @@ inline void dot_tile(const typename WT::storage* w, const float* x, std::size_t 
     for (int k = 0; k < K; ++k) acc[t][k] = B(0.f);
   std::size_t i = 0;
   for (; i + K * W <= n; i += K * W) {
+    // Rows lie end to end: fetching a fixed distance ahead keeps one stream going across rows (the
+    // hardware prefetcher stops at each 4 KiB page, and a bf16 row of 2048 is exactly one).
+    for (std::size_t b = 0; b < K * W * sizeof(*w); b += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(w + i) + b + kPrefetchBytes);
     for (int k = 0; k < K; ++k) {
       const B wk = simd::load<A>(WT{}, w + i + k * W);
       for (int t = 0; t < NT; ++t)
@@ -111,9 +122,16 @@ inline void matmul_amx(ThreadPool& pool, const MatView& w, const float* x, std::
 }
 #endif
 
-// y[m, w.rows] = x[m, w.cols] * w^T, output rows split across the pool.
+// Requests of at least this many rows (prompts) are "bulk": their rows may run on AMX tiles, many
+// times faster for many rows but summing in a different order from the vector kernels, which every
+// shorter request (a decode step) takes because they stream the weights faster for one row.
+inline constexpr std::size_t kBulkRows = 16;
+
+// y[m, w.rows] = x[m, w.cols] * w^T, output rows split across the pool. bulk: the rows belong to bulk
+// requests (see kBulkRows); the caller decides, so that a row's path depends on its own request only.
 template <class A = simd::Best>
-inline void matmul(ThreadPool& pool, const MatView& w, const float* x, std::size_t m, float* y, QuantPath path = {}) {
+inline void matmul(ThreadPool& pool, const MatView& w, const float* x, std::size_t m, float* y, QuantPath path = {},
+                   bool bulk = false) {
   const uint8_t* xq = nullptr;
   if (path.fast && is_quantized(w.type)) {
     const std::size_t rb = quant::act_row_bytes(w.type, w.cols);
@@ -124,7 +142,7 @@ inline void matmul(ThreadPool& pool, const MatView& w, const float* x, std::size
     xq = path.xq.data();
   }
 #if PP_HAVE_AMX
-  if (amx::applies(w)) return matmul_amx<A>(pool, w, x, m, y);
+  if (bulk && amx::applies(w)) return matmul_amx<A>(pool, w, x, m, y);
 #endif
   constexpr std::size_t kGrain = 16;  // rows per task: whole row blocks
   const std::size_t n_tasks = (w.rows + kGrain - 1) / kGrain;

@@ -1,4 +1,5 @@
 // Ring-buffer KV cache of one sequence for the blocks of one stage (f32, keys stored after RoPE).
+// Keys are stored transposed per KV head ([head_dim][slots], see kernels/attention.hpp), values by slot.
 //
 // Semantics: position `pos` lives in slot pos % capacity, so once more than `capacity` positions
 // have been written the oldest are overwritten and attention sees the last `capacity` positions
@@ -8,8 +9,9 @@
 // a pos whose window needs positions the ring has already overwritten.
 #pragma once
 
-#include <pp/core/buffer.hpp>
+#include <pp/core/anonymous_region.hpp>
 #include <pp/core/error.hpp>
+#include <pp/kernels/attention.hpp>
 
 #include <algorithm>
 #include <cstddef>
@@ -21,24 +23,33 @@ namespace pp {
 class KvCache {
  public:
   KvCache() = default;
-  KvCache(std::size_t n_layers, std::size_t capacity, std::size_t kv_dim)
-      : n_layers_(n_layers), cap_(capacity), kv_dim_(kv_dim),
-        k_(n_layers * capacity * kv_dim), v_(n_layers * capacity * kv_dim) {}
+  KvCache(std::size_t n_layers, std::size_t capacity, std::size_t n_head_kv, std::size_t head_dim)
+      : n_layers_(n_layers), cap_(capacity), kv_dim_(n_head_kv * head_dim), head_dim_(head_dim),
+        ld_((capacity + 15) / 16 * 16),
+        k_((n_layers * kv_dim_ * ld_ + kernels::kAttnPad) * sizeof(float), "a KV cache"),
+        v_(n_layers * capacity * kv_dim_ * sizeof(float), "a KV cache") {}
 
   std::size_t capacity() const { return cap_; }
   std::size_t kv_dim() const { return kv_dim_; }
   int64_t n_past() const { return n_past_; }   // positions [0, n_past) have been processed
   int64_t oldest() const { return oldest_; }   // lowest position still held by the ring
-  std::size_t bytes() const { return 2 * n_layers_ * cap_ * kv_dim_ * sizeof(float); }
+  std::size_t bytes() const { return k_.size() + v_.size(); }
 
   std::size_t slot(int64_t pos) const { return std::size_t(pos) % cap_; }
   int64_t window_lo(int64_t pos) const { return std::max<int64_t>(0, pos - int64_t(cap_) + 1); }
 
-  // [kv_dim] rows of block `layer` (0-based within the stage) at ring slot `slot`.
-  float* k(std::size_t layer, std::size_t slot) { return k_.data() + (layer * cap_ + slot) * kv_dim_; }
-  float* v(std::size_t layer, std::size_t slot) { return v_.data() + (layer * cap_ + slot) * kv_dim_; }
-  const float* k(std::size_t layer, std::size_t slot) const { return k_.data() + (layer * cap_ + slot) * kv_dim_; }
-  const float* v(std::size_t layer, std::size_t slot) const { return v_.data() + (layer * cap_ + slot) * kv_dim_; }
+  // Keys of block `layer` (0-based within the stage), KV head g: element d of the key in slot s is
+  // kt(layer, g)[d * k_ld() + s]. Padded by kernels::kAttnPad floats at the end.
+  const float* kt(std::size_t layer, std::size_t g) const { return kf() + (layer * kv_dim_ + g * head_dim_) * ld_; }
+  std::size_t k_ld() const { return ld_; }
+  // Stores the [kv_dim] key row of block `layer` into slot `slot`.
+  void put_k(std::size_t layer, std::size_t slot, const float* row) {
+    float* base = kf() + layer * kv_dim_ * ld_ + slot;
+    for (std::size_t e = 0; e < kv_dim_; ++e) base[e * ld_] = row[e];
+  }
+  // [kv_dim] value row of block `layer` at ring slot `slot`.
+  float* v(std::size_t layer, std::size_t slot) { return vf() + (layer * cap_ + slot) * kv_dim_; }
+  const float* v(std::size_t layer, std::size_t slot) const { return vf() + (layer * cap_ + slot) * kv_dim_; }
 
   // Throws RequestError when rows [pos, pos + n) cannot be appended; changes nothing.
   void validate(int64_t pos, std::size_t n) const {
@@ -66,8 +77,14 @@ class KvCache {
   void reset() { n_past_ = oldest_ = 0; }
 
  private:
-  std::size_t n_layers_ = 0, cap_ = 0, kv_dim_ = 0;
-  Buffer<float> k_, v_;  // [n_layers, capacity, kv_dim]
+  std::size_t n_layers_ = 0, cap_ = 0, kv_dim_ = 0, head_dim_ = 0, ld_ = 0;
+  float* kf() { return reinterpret_cast<float*>(k_.data()); }
+  float* vf() { return reinterpret_cast<float*>(v_.data()); }
+  const float* kf() const { return reinterpret_cast<const float*>(k_.data()); }
+  const float* vf() const { return reinterpret_cast<const float*>(v_.data()); }
+  // Huge-page advised and backed as they fill: a long context costs memory only as it is used.
+  AnonymousRegion k_;  // f32 [n_layers, n_head_kv, head_dim, ld] + pad
+  AnonymousRegion v_;  // f32 [n_layers, capacity, kv_dim]
   int64_t n_past_ = 0, oldest_ = 0;
 };
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <pp/core/buffer.hpp>
+#include <pp/kernels/attention.hpp>
 #include <pp/kernels/quant.hpp>
 #include <pp/model/config.hpp>
 
@@ -15,22 +16,25 @@ struct Scratch {
   Scratch() = default;
   Scratch(const Config& c, std::size_t max_rows, std::size_t kv_capacity, unsigned n_threads)
       : max_rows(max_rows), xn(max_rows * c.n_embd), q(max_rows * c.q_dim()), k(max_rows * c.kv_dim()),
-        v(max_rows * c.kv_dim()), att(max_rows * c.q_dim()), proj(max_rows * c.n_embd),
+        v(max_rows * c.kv_dim()), kt_ld((max_rows + 15) / 16 * 16), kt(c.kv_dim() * kt_ld + kernels::kAttnPad), att(max_rows * c.q_dim()), proj(max_rows * c.n_embd),
         gate(max_rows * c.n_ff), up(max_rows * c.n_ff), cos(max_rows * c.head_dim / 2),
-        sin(max_rows * c.head_dim / 2), row_seg(max_rows), scores(std::size_t(n_threads) * kv_capacity * (c.n_head / c.n_head_kv)), scores_stride(kv_capacity),
+        sin(max_rows * c.head_dim / 2), row_seg(max_rows), scores_stride((kv_capacity + 15) / 16 * 16 + kernels::kAttnPad),
+        scores(std::size_t(n_threads) * scores_stride * (c.n_head / c.n_head_kv)),
         xq(max_rows * quant::act_row_bytes_bound(std::max({c.n_embd, c.q_dim(), c.n_ff}))) {}
 
   std::size_t max_rows = 0;
   Buffer<float> xn;        // [rows, n_embd] normed input
   Buffer<float> q;         // [rows, n_head, head_dim]
   Buffer<float> k, v;      // [rows, n_head_kv, head_dim] this chunk's new keys / values
+  std::size_t kt_ld = 0;
+  Buffer<float> kt;        // [n_head_kv, head_dim, kt_ld] + pad: the new keys transposed
   Buffer<float> att;       // [rows, n_head, head_dim] attention output
   Buffer<float> proj;      // [rows, n_embd] projection back to the residual
   Buffer<float> gate, up;  // [rows, n_ff]
   Buffer<float> cos, sin;  // [rows, head_dim / 2] RoPE tables of the chunk's positions
   Buffer<uint32_t> row_seg;  // [rows] index of each row's segment in the chunk
-  Buffer<float> scores;    // [n_threads, group, kv_capacity] attention weights of each thread's query heads
   std::size_t scores_stride = 0;
+  Buffer<float> scores;    // [n_threads, group, scores_stride] attention weights of each thread's query heads
   Buffer<uint8_t> xq;      // [rows, act_row_bytes] a matmul's input quantized to int8 blocks (fast path)
 };
 
