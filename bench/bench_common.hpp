@@ -37,6 +37,18 @@ inline double bandwidth_gbs(unsigned threads) {
   return best;
 }
 
+// This process's resident set (VmRSS), MiB.
+inline double rss_mb() {
+  std::FILE* f = std::fopen("/proc/self/status", "r");
+  if (!f) return 0;
+  char line[256];
+  double kb = 0;
+  while (std::fgets(line, sizeof line, f))
+    if (std::sscanf(line, "VmRSS: %lf kB", &kb) == 1) break;
+  std::fclose(f);
+  return kb / 1024.0;
+}
+
 inline std::filesystem::path models_dir() {
   const char* d = std::getenv("PP_BENCH_MODELS");
   return d ? std::filesystem::path(d) : std::filesystem::path("models");

@@ -162,6 +162,50 @@ void BM_Prefill(benchmark::State& st) {
 }
 BENCHMARK(BM_Prefill)->ArgsProduct({{0, 1, 2, 3}, {128, 512}, {1, 2}})->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(2);
 
+// One decoder block (a stage owning block 0 only): a decode step's latency and its share of the weights.
+void BM_DecodeLayer(benchmark::State& st) {
+  const std::string dt = dtype_arg(st.range(0));
+  const unsigned threads = unsigned(st.range(1));
+  auto s = pp::Stage::open_stage(pp::bench::model_1b(dt), 0, 16,
+                                 {.ctx = 1024, .threads = threads, .residency = pp::Residency::Anonymous});
+  pp::Sequence seq = s->new_sequence();
+  std::vector<float> row(s->config().n_embd, 0.01f);
+  int64_t pos = 0;
+  for (auto _ : st) {
+    s->forward(seq, pos, row.data(), 1);
+    for (float& v : row) v = 0.01f;
+    if (++pos >= int64_t(s->ctx())) pos = 0;
+  }
+  const pp::MappedFile file(pp::bench::model_1b(dt));
+  double layer_bytes = 0;  // block 0's tensors
+  for (const auto& t : pp::gguf::parse(file.bytes()).tensors)
+    if (t.name.starts_with("blk.0.")) layer_bytes += double(t.n_bytes);
+  st.counters["GB/s"] = benchmark::Counter(layer_bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  st.SetLabel(dt + ", block 0 of 16");
+}
+BENCHMARK(BM_DecodeLayer)->ArgsProduct({{0, 2}, {1, 2}})->Unit(benchmark::kMicrosecond)->UseRealTime()->MinTime(1.0);
+
+// Opening a whole 1B stage: weights copied into anonymous memory vs used from the mapping (pages
+// pre-faulted). Wall time of the open and the process's RSS growth (VmRSS). Reads the file from the page
+// cache (an earlier benchmark or run has read it), so this is the cost of a warm start.
+void BM_Load(benchmark::State& st) {
+  const std::string dt = dtype_arg(st.range(0));
+  const auto res = pp::Residency(st.range(1));
+  const std::string path = pp::bench::model_1b(dt);
+  double rss_mb = 0;
+  for (auto _ : st) {
+    const double before = pp::bench::rss_mb();
+    auto s = pp::Stage::open_full(path, {.ctx = 1024, .threads = 2, .residency = res});
+    rss_mb = pp::bench::rss_mb() - before;
+    benchmark::DoNotOptimize(s.get());
+  }
+  st.counters["RSS_MB"] = rss_mb;
+  st.SetLabel(dt + (res == pp::Residency::Anonymous ? " resident (anonymous copy)" : " mmap (pre-faulted)"));
+}
+BENCHMARK(BM_Load)
+    ->ArgsProduct({{0}, {int(pp::Residency::Mapped), int(pp::Residency::Anonymous)}})
+    ->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(1);
+
 }  // namespace
 
 BENCHMARK_MAIN();

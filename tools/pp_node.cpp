@@ -400,6 +400,7 @@ struct Cli {
   std::optional<int64_t> top_k;
   uint64_t seed = 0;
   bool ignore_eos = false;
+  bool mapped = false;
   unsigned threads = 0;
   int64_t ctx = 0;
   int64_t max_ctx = 0;
@@ -514,6 +515,7 @@ int run_model(const Cli& c, const pp::net::ServerOptions& options, Millis timeou
   pp::net::ModelWorkerOptions wopt;
   wopt.path = model.path;
   wopt.threads = c.threads;
+  wopt.residency = c.mapped ? pp::Residency::Mapped : pp::Residency::Anonymous;
   wopt.max_ctx = static_cast<uint32_t>(c.max_ctx);
   wopt.link = pp::net::Timeouts{timeout, timeout};
   wopt.load_wait = seconds_to_millis(c.load_timeout_s);
@@ -544,6 +546,7 @@ int run_model(const Cli& c, const pp::net::ServerOptions& options, Millis timeou
   }
   run.ignore_eos = c.ignore_eos;
   run.threads = c.threads;
+  run.residency = wopt.residency;
   run.ctx = static_cast<uint32_t>(c.ctx);
   run.logits_out = c.logits_out;
   run.dump_digests = c.dump_digests;
@@ -658,6 +661,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--ignore-eos", c.ignore_eos, "keep generating past end-of-generation tokens");
   app.add_option("--threads", c.threads, "compute threads per stage (0 = all cores)")->capture_default_str();
+  app.add_flag("--mapped", c.mapped,
+               "use the weights from the file mapping (shared page cache) instead of copying them into "
+               "anonymous huge-page memory (the default: faster decode)");
   app.add_option("--ctx", c.ctx, "coordinator: KV capacity of every stage (0 = min(4096, model context))")
       ->capture_default_str();
   app.add_option("--max-ctx", c.max_ctx, "worker: largest KV capacity a session may ask for (0 = min(4096, model))")

@@ -60,6 +60,7 @@ struct ModelRunOptions {
   SamplingParams sampling;
   bool ignore_eos = false;
   unsigned threads = 0;
+  Residency residency = Residency::Anonymous;  // of the coordinator's own stage
   uint32_t ctx = 0;                 // 0: min(4096, model context)
   std::string logits_out;           // raw f32 [generated, n_vocab] of every sampled position
   std::string dump_digests;         // "pos token sha256" lines
@@ -422,6 +423,7 @@ inline int run_model_coordinator(const ModelRunOptions& o) {
   StageOptions so;
   so.ctx = o.ctx;
   so.threads = o.threads;
+  so.residency = o.residency;
   const Stage stage(o.path, LayerRange{0, cuts.front()}, so);
   const Config& cfg = stage.config();
   const net::ModelIdentity id = net::identify_model(stage.file().bytes(), stage.gguf(), cfg, o.path);

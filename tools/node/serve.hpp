@@ -150,6 +150,7 @@ inline int run_serve(const ModelRunOptions& run, const ServeOptions& so, const s
                                                     so.authenticate)
                           : detail::validated_cuts(run.cuts, run.workers.size(), n_layer);
   cfg.threads = run.threads;
+  cfg.residency = run.residency;
   cfg.timeouts = run.timeouts;
   cfg.load_wait = run.load_wait;
   cfg.parallel = so.parallel;

@@ -166,6 +166,7 @@ struct ServeConfig {
   std::vector<int> cuts;           // validated: one per worker
   uint32_t ctx = 0;                // 0: min(4096, model context)
   unsigned threads = 0;
+  Residency residency = Residency::Anonymous;  // of the coordinator's own stage
   net::Timeouts timeouts;
   net::Millis load_wait{120000};
   std::size_t parallel = 16;       // generations decoding at once; more wait in the queue
@@ -250,6 +251,7 @@ class ServeEngine {
     StageOptions so;
     so.ctx = ctx_;
     so.threads = cfg_.threads;
+    so.residency = cfg_.residency;
     stage_ = std::make_unique<Stage>(cfg_.path, LayerRange{0, cfg_.cuts.front()}, so);
   }
 

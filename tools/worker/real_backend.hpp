@@ -61,13 +61,17 @@ class RealBackend final : public Backend {
     stage_ = Stage::open_stage(path, cfg.stage, cfg.num_stages, opt);
     const auto t1 = Clock::now();
     std::size_t prefetched = 0;
-    for (const std::string& n : stage_tensor_names(*stage_)) {
-      const std::span<const uint8_t> d = stage_->gguf().tensor(n)->data;
-      stage_->file().prefetch(d);
-      volatile uint8_t sink = 0;  // the reads fault the pages in now rather than on the first request
-      for (std::size_t i = 0; i < d.size(); i += 4096) sink = sink + d[i];
-      prefetched += d.size();
-    }
+    // Anonymous residency (the default) copied the tensors during the open: their file pages are gone
+    // from this process and must not be read back in.
+    if (opt.residency == Residency::Anonymous) prefetched = stage_->bytes_used();
+    else
+      for (const std::string& n : stage_tensor_names(*stage_)) {
+        const std::span<const uint8_t> d = stage_->gguf().tensor(n)->data;
+        stage_->file().prefetch(d);
+        volatile uint8_t sink = 0;  // the reads fault the pages in now rather than on the first request
+        for (std::size_t i = 0; i < d.size(); i += 4096) sink = sink + d[i];
+        prefetched += d.size();
+      }
     const auto t2 = Clock::now();
     try {
       tok_.emplace(Tokenizer::from_gguf(stage_->gguf()));
@@ -97,6 +101,7 @@ class RealBackend final : public Backend {
                {"kv_alloc_ms", ms(t3, t4)},
                {"bytes_mapped", stage_->bytes_used()},
                {"bytes_prefetched", prefetched},
+               {"residency", opt.residency == Residency::Mapped ? "mapped" : "anonymous"},
                {"file_bytes", stage_->file().size()},
                {"kv_bytes", seq_->kv.bytes()},
                {"blocks", stage_->range().size()},

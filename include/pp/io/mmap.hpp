@@ -75,6 +75,17 @@ class MappedFile {
     ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_WILLNEED);
   }
 
+  // Drops this process's view of the whole pages inside [p, p + n) (a tensor copied elsewhere): they stop
+  // counting in its RSS; the page cache keeps them for other readers, and reading them again faults them
+  // back in from the file.
+  void release(std::span<const uint8_t> range) const {
+    if (range.empty()) return;
+    const uintptr_t page = uintptr_t(::sysconf(_SC_PAGESIZE));
+    const uintptr_t begin = (reinterpret_cast<uintptr_t>(range.data()) + page - 1) / page * page;
+    const uintptr_t end = reinterpret_cast<uintptr_t>(range.data() + range.size()) / page * page;
+    if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+  }
+
  private:
   void unmap() {
     if (data_) ::munmap(const_cast<uint8_t*>(data_), size_);

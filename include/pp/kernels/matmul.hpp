@@ -16,14 +16,7 @@
 #include <cstddef>
 #include <span>
 
-#ifndef PP_PREFETCH_BYTES
-#define PP_PREFETCH_BYTES 2048
-#endif
-
 namespace pp::kernels {
-
-// How far ahead of the weights being read they are prefetched (bytes).
-inline constexpr std::size_t kPrefetchBytes = PP_PREFETCH_BYTES;
 
 // y[t * y_stride] = dot(w[0, n), x[t * x_stride + (0, n)]) for t < NT tokens.
 template <class A, class WT, int NT>
@@ -37,10 +30,7 @@ inline void dot_tile(const typename WT::storage* w, const float* x, std::size_t 
     for (int k = 0; k < K; ++k) acc[t][k] = B(0.f);
   std::size_t i = 0;
   for (; i + K * W <= n; i += K * W) {
-    // Rows lie end to end: fetching a fixed distance ahead keeps one stream going across rows (the
-    // hardware prefetcher stops at each 4 KiB page, and a bf16 row of 2048 is exactly one).
-    for (std::size_t b = 0; b < K * W * sizeof(*w); b += 64)
-      __builtin_prefetch(reinterpret_cast<const char*>(w + i) + b + kPrefetchBytes);
+    simd::prefetch_ahead(w + i, K * W * sizeof(*w));
     for (int k = 0; k < K; ++k) {
       const B wk = simd::load<A>(WT{}, w + i + k * W);
       for (int t = 0; t < NT; ++t)

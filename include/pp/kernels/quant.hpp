@@ -619,6 +619,7 @@ inline void dot_fast(const Block* w, std::size_t n, const uint8_t* xq, std::size
   for (int t = 0; t < NT; ++t) acc[t] = F(0.f), mins[t] = 0.f, a[t] = reinterpret_cast<const ActQ8*>(xq + t * xqs);
   for (std::size_t i = 0; i < n / 32; ++i) {
     const Block& b = w[i];
+    simd::prefetch_ahead(&b, sizeof(Block));
     const Q q = codes<A>(b);
     const float d = h2f(b.d);
     for (int t = 0; t < NT; ++t) {
@@ -647,6 +648,7 @@ inline void dot_fast(const Block* w, std::size_t n, const uint8_t* xq, std::size
   for (int t = 0; t < NT; ++t) acc[t] = accm[t] = F(0.f), a[t] = reinterpret_cast<const BlockQ8_K*>(xq + t * xqs);
   for (std::size_t i = 0; i < n / 256; ++i) {
     const Block& b = w[i];
+    simd::prefetch_ahead(&b, sizeof(Block));
     uint8_t sc[8], mn[8];
     scales_mins_k4(b.scales, sc, mn);
     const S scales = S::pairs_u8(sc), mins = S::pairs_u8(mn);  // lanes 2j, 2j + 1: sub-block j
@@ -689,6 +691,7 @@ inline void dot_fast(const Block* w, std::size_t n, const uint8_t* xq, std::size
   for (int t = 0; t < NT; ++t) acc[t] = acco[t] = F(0.f), a[t] = reinterpret_cast<const BlockQ8_K*>(xq + t * xqs);
   for (std::size_t i = 0; i < n / 256; ++i) {
     const BlockQ6_K& b = w[i];
+    simd::prefetch_ahead(&b, sizeof(BlockQ6_K));
     const S scales = S::widen_i8(b.scales);  // lane g: elements [16g, 16g + 16)
     S group[8];
     Q u[8];  // u[4h + k]: elements 128h + 32k + (0..31), codes 0..63

@@ -63,7 +63,7 @@ struct ModelWorkerOptions {
   unsigned threads = 0;        // compute threads per stage; 0 = hardware concurrency
   uint32_t max_ctx = 0;        // largest KV capacity a HELLO may ask for; 0 = min(4096, model context)
   bool prefetch = true;        // fault in a stage's tensors when it loads
-  Residency residency = Residency::Mapped;
+  Residency residency = Residency::Anonymous;  // see StageOptions
   Timeouts link;               // the hop to the next worker: connect / stall timeout
   std::size_t max_sessions = kDefaultMaxSessions;  // a HELLO beyond it is refused ("worker busy")
   // When set, a connection must prove it holds this key before anything else (auth.hpp), and the
