@@ -74,7 +74,9 @@ pp::Stage& stage_for(const std::string& dtype, unsigned threads, pp::Residency r
   if (!s) {
     cache.clear();  // one resident 1B model at a time
     auto& slot = cache[key];
-    slot = pp::Stage::open_full(pp::bench::model_1b(dtype), {.ctx = 1024, .threads = threads, .residency = res});
+    pp::StageOptions opt{.ctx = 1024, .threads = threads, .residency = res};
+    if (const char* r = std::getenv("PP_BENCH_MAX_ROWS")) opt.max_rows = std::size_t(std::atoi(r));
+    slot = pp::Stage::open_full(pp::bench::model_1b(dtype), opt);
     return *slot;
   }
   return *s;
