@@ -131,13 +131,17 @@ std::optional<uint16_t> port_in(const std::string& out, const std::string& patte
 }
 
 // n_workers workers and a coordinator serving HTTP on an ephemeral port.
+// worker_extra: more arguments for every worker.
 std::optional<Pipeline> start_pipeline(std::size_t n_workers, const std::vector<std::string>& cuts,
-                                       const std::vector<std::string>& extra = {}) {
+                                       const std::vector<std::string>& extra = {},
+                                       const std::vector<std::string>& worker_extra = {}) {
   Pipeline p;
   std::string chain;
   for (std::size_t i = 0; i < n_workers; ++i) {
-    auto w = std::make_unique<Process>(std::vector<std::string>{node_bin(), "--worker", "--model", model().path, "--host",
-                                                                "127.0.0.1", "--port", "0", "--threads", "1"});
+    std::vector<std::string> wargv = {node_bin(), "--worker", "--model", model().path, "--host",
+                                      "127.0.0.1", "--port", "0", "--threads", "1"};
+    wargv.insert(wargv.end(), worker_extra.begin(), worker_extra.end());
+    auto w = std::make_unique<Process>(wargv);
     if (!w->wait_output("  (Ctrl-C to stop)", 10s)) {
       ADD_FAILURE() << "worker did not start: " << w->out() << w->err();
       return std::nullopt;
@@ -746,6 +750,35 @@ TEST(ServeThreeStages, CancelNonStreamedFreesTheSessionOnEveryStage) {
   p->client()->send(q);
   const json e = json::parse(failed);
   EXPECT_NE(e["error"]["message"].get<std::string>().find("the pipeline failed"), std::string::npos) << failed;
+}
+
+// Serving with a pre-shared key: every hop authenticated, the same tokens as without; a coordinator
+// without the key is refused by the worker and never serves.
+TEST(ServeAuth, PresharedKeyOnEveryHopServesTheSameTokens) {
+  REQUIRE_MODEL();
+  const auto dir = std::filesystem::temp_directory_path() / ("pp-serve-psk-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string key = (dir / "key").string();
+  std::ofstream(key) << "3f1c9a0b7e55d2c48a61f0e9b3d7c2a15e8f4b6a9c0d1e2f3a4b5c6d7e8f9012\n";
+  std::filesystem::permissions(key, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write,
+                               std::filesystem::perm_options::replace);
+  auto p = start_pipeline(1, {"--cuts", "3"}, {"--psk-file", key}, {"--psk-file", key});
+  ASSERT_TRUE(p);
+  const Reply r = post(*p, "/v1/completions", R"({"prompt":"Keyed","max_tokens":6,"temperature":0,"return_tokens":true})");
+  ASSERT_EQ(r.status, 200) << r.raw;
+  EXPECT_EQ(tokens_of(r.body), reference(encode("Keyed"), 6));
+  const Streamed st = post_stream(*p, "/v1/completions",
+                                  {{"prompt", "Keyed"}, {"max_tokens", 6}, {"temperature", 0}, {"stream", true}, {"return_tokens", true}});
+  EXPECT_EQ(st.tokens, reference(encode("Keyed"), 6));
+
+  Process keyless({node_bin(), "--coordinator", "127.0.0.1:" + std::to_string(p->worker_ports[0]), "--model",
+                   model().path, "--serve", "--http-port", "0", "--threads", "1", "--cuts", "3"});
+  const auto code = keyless.wait(20s);
+  ASSERT_TRUE(code) << "a coordinator without the key kept running: " << keyless.out() << keyless.err();
+  EXPECT_NE(*code, 0);
+  EXPECT_NE((keyless.out() + keyless.err()).find("authentication"), std::string::npos) << keyless.out() << keyless.err();
+  EXPECT_EQ(keyless.out().find("(POST /v1/completions"), std::string::npos) << "it served without the key";
+  std::filesystem::remove_all(dir);
 }
 
 TEST(ServeThreeStages, CutsAutoProbesPlansAndServes) {

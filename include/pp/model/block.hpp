@@ -96,14 +96,20 @@ inline void block_forward(const Config& c, const llama::BlockTensors& w, std::sp
   const kernels::QuantPath qp{fast_quant, s.xq.span()};
 
   // Attention: norm, project, rotate, attend, project back, residual.
-  for (std::size_t i = 0; i < m; ++i) kernels::rmsnorm(x + i * E, w.attn_norm, c.rms_eps, E, s.xn.data() + i * E);
+  // Row-wise steps run across the pool too (a prefill chunk's rows; one row runs inline).
+  auto rows = [&](auto&& f) {
+    pool.parallel_for(m, [&](std::size_t b, std::size_t e, unsigned) {
+      for (std::size_t i = b; i < e; ++i) f(i);
+    });
+  };
+  rows([&](std::size_t i) { kernels::rmsnorm(x + i * E, w.attn_norm, c.rms_eps, E, s.xn.data() + i * E); });
   matmul_segments(pool, w.wq, segs, s.xn.data(), s.q.data(), qp);
   matmul_segments(pool, w.wk, segs, s.xn.data(), s.k.data(), qp);
   matmul_segments(pool, w.wv, segs, s.xn.data(), s.v.data(), qp);
-  for (std::size_t i = 0; i < m; ++i) {
+  rows([&](std::size_t i) {
     kernels::rope(s.q.data() + i * c.q_dim(), c.n_head, c.head_dim, s.cos.data() + i * hp, s.sin.data() + i * hp);
     kernels::rope(s.k.data() + i * c.kv_dim(), c.n_head_kv, c.head_dim, s.cos.data() + i * hp, s.sin.data() + i * hp);
-  }
+  });
   for (std::size_t i = 0; i < m; ++i)
     for (std::size_t e = 0; e < c.kv_dim(); ++e) s.kt[e * s.kt_ld + i] = s.k[i * c.kv_dim() + e];
   attention(c, segs, layer, m, s, pool);
@@ -114,15 +120,17 @@ inline void block_forward(const Config& c, const llama::BlockTensors& w, std::sp
       std::memcpy(seg.kv->v(layer, slot), s.v.data() + row * c.kv_dim(), c.kv_dim() * sizeof(float));
     }
   matmul_segments(pool, w.wo, segs, s.att.data(), s.proj.data(), qp);
-  for (std::size_t i = 0; i < m; ++i) kernels::add_inplace(x + i * E, s.proj.data() + i * E, E);
+  rows([&](std::size_t i) {
+    kernels::add_inplace(x + i * E, s.proj.data() + i * E, E);
+    kernels::rmsnorm(x + i * E, w.ffn_norm, c.rms_eps, E, s.xn.data() + i * E);
+  });
 
   // MLP: norm, SwiGLU, project back, residual.
-  for (std::size_t i = 0; i < m; ++i) kernels::rmsnorm(x + i * E, w.ffn_norm, c.rms_eps, E, s.xn.data() + i * E);
   matmul_segments(pool, w.w_gate, segs, s.xn.data(), s.gate.data(), qp);
   matmul_segments(pool, w.w_up, segs, s.xn.data(), s.up.data(), qp);
-  kernels::swiglu(s.gate.data(), s.up.data(), m * c.n_ff);
+  rows([&](std::size_t i) { kernels::swiglu(s.gate.data() + i * c.n_ff, s.up.data() + i * c.n_ff, c.n_ff); });
   matmul_segments(pool, w.w_down, segs, s.gate.data(), s.proj.data(), qp);
-  for (std::size_t i = 0; i < m; ++i) kernels::add_inplace(x + i * E, s.proj.data() + i * E, E);
+  rows([&](std::size_t i) { kernels::add_inplace(x + i * E, s.proj.data() + i * E, E); });
 }
 
 }  // namespace pp
