@@ -121,7 +121,7 @@ inline constexpr std::size_t kBulkRows = 16;
 // requests (see kBulkRows); the caller decides, so that a row's path depends on its own request only.
 template <class A = simd::Best>
 inline void matmul(ThreadPool& pool, const MatView& w, const float* x, std::size_t m, float* y, QuantPath path = {},
-                   bool bulk = false) {
+                   [[maybe_unused]] bool bulk = false) {
   const uint8_t* xq = nullptr;
   if (path.fast && is_quantized(w.type)) {
     const std::size_t rb = quant::act_row_bytes(w.type, w.cols);
