@@ -634,6 +634,25 @@ TEST(ServeThreeStages, CompletionsAndChatStreamedAndNot) {
   EXPECT_TRUE(wait_worker_sessions(*p, 0, 5s));
 }
 
+// After a client left mid-generation: its session is gone from every worker and the coordinator, counted
+// once as cancelled, the generation stopped early, and the pipeline still serves.
+void expect_cancelled_and_still_serving(const Pipeline& p) {
+  EXPECT_TRUE(wait_worker_sessions(p, 0, 5s)) << "a worker still holds the cancelled session";
+  const auto deadline = Clock::now() + 5s;
+  std::map<std::string, double> m;
+  do {
+    m = parse_metrics(p.client()->Get("/metrics")->body);
+    if (m["pp_sessions_active"] == 0 && m["pp_requests_total{outcome=\"cancelled\"}"] == 1) break;
+    std::this_thread::sleep_for(20ms);
+  } while (Clock::now() < deadline);
+  EXPECT_EQ(m["pp_sessions_active"], 0);
+  EXPECT_EQ(m["pp_requests_total{outcome=\"cancelled\"}"], 1);
+  EXPECT_LT(m["pp_tokens_generated_total"], 1500) << "the generation ran on after the client left";
+  const Reply r = post(p, "/v1/completions", R"({"prompt":"after","max_tokens":4,"temperature":0,"return_tokens":true})");
+  EXPECT_EQ(r.status, 200) << r.raw;
+  EXPECT_EQ(tokens_of(r.body), reference(encode("after"), 4));
+}
+
 // A client that disconnects mid-stream: its session is freed on the coordinator and every worker.
 TEST(ServeThreeStages, CancelMidStreamFreesTheSessionOnEveryStage) {
   REQUIRE_MODEL();
@@ -661,20 +680,7 @@ TEST(ServeThreeStages, CancelMidStreamFreesTheSessionOnEveryStage) {
   });
   client.join();
   EXPECT_TRUE(seen_open.load()) << "the workers did not report the streaming session";
-  EXPECT_TRUE(wait_worker_sessions(*p, 0, 5s)) << "a worker still holds the cancelled session";
-  const auto deadline = Clock::now() + 5s;
-  std::map<std::string, double> m;
-  do {
-    m = parse_metrics(p->client()->Get("/metrics")->body);
-    if (m["pp_sessions_active"] == 0 && m["pp_requests_total{outcome=\"cancelled\"}"] == 1) break;
-    std::this_thread::sleep_for(20ms);
-  } while (Clock::now() < deadline);
-  EXPECT_EQ(m["pp_sessions_active"], 0);
-  EXPECT_EQ(m["pp_requests_total{outcome=\"cancelled\"}"], 1);
-  EXPECT_LT(m["pp_tokens_generated_total"], 1500) << "the generation ran on after the client left";
-  // And the pipeline still serves.
-  const Reply r = post(*p, "/v1/completions", R"({"prompt":"after","max_tokens":4,"temperature":0,"return_tokens":true})");
-  EXPECT_EQ(tokens_of(r.body), reference(encode("after"), 4));
+  expect_cancelled_and_still_serving(*p);
 }
 
 // A non-streamed request not done within a second gets a 200 at once, then a space every second until its
@@ -706,21 +712,7 @@ TEST(ServeThreeStages, CancelNonStreamedFreesTheSessionOnEveryStage) {
   client.join();
   EXPECT_EQ(status, 200);
   EXPECT_TRUE(seen_open) << "the workers did not report the session";
-  EXPECT_TRUE(wait_worker_sessions(*p, 0, 5s)) << "a worker still holds the cancelled session";
-  const auto deadline = Clock::now() + 5s;
-  std::map<std::string, double> m;
-  do {
-    m = parse_metrics(p->client()->Get("/metrics")->body);
-    if (m["pp_sessions_active"] == 0 && m["pp_requests_total{outcome=\"cancelled\"}"] == 1) break;
-    std::this_thread::sleep_for(20ms);
-  } while (Clock::now() < deadline);
-  EXPECT_EQ(m["pp_sessions_active"], 0);
-  EXPECT_EQ(m["pp_requests_total{outcome=\"cancelled\"}"], 1);
-  EXPECT_LT(m["pp_tokens_generated_total"], 1500) << "the generation ran on after the client left";
-  // And the pipeline still serves.
-  const Reply r = post(*p, "/v1/completions", R"({"prompt":"after","max_tokens":4,"temperature":0,"return_tokens":true})");
-  EXPECT_EQ(r.status, 200) << r.raw;
-  EXPECT_EQ(tokens_of(r.body), reference(encode("after"), 4));
+  expect_cancelled_and_still_serving(*p);
   // A client that waits gets the whole completion, after the spaces.
   json whole = body;
   whole["return_tokens"] = true;

@@ -96,13 +96,11 @@ class ThreadPool {
         std::unique_lock lk(mu_);
         cv_.wait(lk, [&] { return generation_.load(std::memory_order_acquire) != seen; });
       }
-      {
-        std::lock_guard lk(mu_);  // call_ / ctx_ / stop_ were written under it
-        seen = generation_.load(std::memory_order_relaxed);
-        if (stop_) return;
-        call = call_;
-        ctx = ctx_;
-      }
+      // call_ / ctx_ / stop_ were written before the release increment this acquire load saw.
+      seen = generation_.load(std::memory_order_acquire);
+      if (stop_) return;
+      call = call_;
+      ctx = ctx_;
       call(ctx, t);
       if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
         { std::lock_guard lk(mu_); }  // the caller is either spinning or waits under mu_: no lost wake-up
