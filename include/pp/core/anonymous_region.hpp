@@ -1,5 +1,5 @@
-// An anonymous private memory region advised for transparent huge pages (RAII): resident weights, KV
-// caches. Zero-filled, and pages are only backed once touched.
+// An anonymous private memory region (RAII), advised for transparent huge pages unless asked not to:
+// resident weights, KV caches, scratch. Zero-filled, and pages are only backed once touched.
 #pragma once
 
 #include <pp/core/error.hpp>
@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <span>
 #include <string>
 #include <utility>
 
@@ -18,12 +19,13 @@ namespace pp {
 class AnonymousRegion {
  public:
   AnonymousRegion() = default;
-  explicit AnonymousRegion(std::size_t bytes, const char* what = "resident weights") : size_(bytes) {
+  explicit AnonymousRegion(std::size_t bytes, const char* what = "resident weights", bool huge_pages = true)
+      : size_(bytes) {
     if (bytes == 0) return;
     void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED)
       throw Error("cannot allocate " + std::to_string(bytes >> 20) + " MiB for " + what + ": " + std::strerror(errno));
-    ::madvise(p, bytes, MADV_HUGEPAGE);  // best effort: THP may be off
+    if (huge_pages) ::madvise(p, bytes, MADV_HUGEPAGE);  // best effort: THP may be off
     data_ = static_cast<uint8_t*>(p);
   }
   AnonymousRegion(const AnonymousRegion&) = delete;
@@ -49,6 +51,26 @@ class AnonymousRegion {
   }
   uint8_t* data_ = nullptr;
   std::size_t size_ = 0;
+};
+
+// n zero-initialised T whose pages are backed on first touch, in 4 KiB steps: buffers sized for the
+// largest request that cost memory only for the part a request uses.
+template <class T>
+class LazyArray {
+ public:
+  LazyArray() = default;
+  explicit LazyArray(std::size_t n, const char* what = "scratch") : region_(n * sizeof(T), what, false), n_(n) {}
+  T* data() { return reinterpret_cast<T*>(region_.data()); }
+  const T* data() const { return reinterpret_cast<const T*>(region_.data()); }
+  std::size_t size() const { return n_; }
+  T& operator[](std::size_t i) { return data()[i]; }
+  const T& operator[](std::size_t i) const { return data()[i]; }
+  std::span<T> span() { return {data(), n_}; }
+  std::span<const T> span() const { return {data(), n_}; }
+
+ private:
+  AnonymousRegion region_;
+  std::size_t n_ = 0;
 };
 
 }  // namespace pp

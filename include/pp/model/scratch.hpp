@@ -1,7 +1,8 @@
-// Per-sequence activation buffers for up to `max_rows` rows, allocated once.
+// Per-sequence activation buffers for up to `max_rows` rows, reserved once and backed as they are used
+// (a sequence that only ever sees short requests holds only their rows).
 #pragma once
 
-#include <pp/core/buffer.hpp>
+#include <pp/core/anonymous_region.hpp>
 #include <pp/kernels/attention.hpp>
 #include <pp/kernels/quant.hpp>
 #include <pp/model/config.hpp>
@@ -23,19 +24,19 @@ struct Scratch {
         xq(max_rows * quant::act_row_bytes_bound(std::max({c.n_embd, c.q_dim(), c.n_ff}))) {}
 
   std::size_t max_rows = 0;
-  Buffer<float> xn;        // [rows, n_embd] normed input
-  Buffer<float> q;         // [rows, n_head, head_dim]
-  Buffer<float> k, v;      // [rows, n_head_kv, head_dim] this chunk's new keys / values
+  LazyArray<float> xn;        // [rows, n_embd] normed input
+  LazyArray<float> q;         // [rows, n_head, head_dim]
+  LazyArray<float> k, v;      // [rows, n_head_kv, head_dim] this chunk's new keys / values
   std::size_t kt_ld = 0;
-  Buffer<float> kt;        // [n_head_kv, head_dim, kt_ld] + pad: the new keys transposed
-  Buffer<float> att;       // [rows, n_head, head_dim] attention output
-  Buffer<float> proj;      // [rows, n_embd] projection back to the residual
-  Buffer<float> gate, up;  // [rows, n_ff]
-  Buffer<float> cos, sin;  // [rows, head_dim / 2] RoPE tables of the chunk's positions
-  Buffer<uint32_t> row_seg;  // [rows] index of each row's segment in the chunk
+  LazyArray<float> kt;        // [n_head_kv, head_dim, kt_ld] + pad: the new keys transposed
+  LazyArray<float> att;       // [rows, n_head, head_dim] attention output
+  LazyArray<float> proj;      // [rows, n_embd] projection back to the residual
+  LazyArray<float> gate, up;  // [rows, n_ff]
+  LazyArray<float> cos, sin;  // [rows, head_dim / 2] RoPE tables of the chunk's positions
+  LazyArray<uint32_t> row_seg;  // [rows] index of each row's segment in the chunk
   std::size_t scores_stride = 0;
-  Buffer<float> scores;    // [n_threads, group, scores_stride] attention weights of each thread's query heads
-  Buffer<uint8_t> xq;      // [rows, act_row_bytes] a matmul's input quantized to int8 blocks (fast path)
+  LazyArray<float> scores;    // [n_threads, group, scores_stride] attention weights of each thread's query heads
+  LazyArray<uint8_t> xq;      // [rows, act_row_bytes] a matmul's input quantized to int8 blocks (fast path)
 };
 
 }  // namespace pp
