@@ -24,7 +24,7 @@ inline void dot_tile(const typename WT::storage* w, const float* x, std::size_t 
                      float* y, std::size_t y_stride) {
   using B = simd::fbatch<A>;
   constexpr std::size_t W = B::size;
-  constexpr int K = simd::kAccumulators<A>;
+  constexpr int K = simd::kWeightAccumulators<A, WT>;
   B acc[NT][K];
   for (int t = 0; t < NT; ++t)
     for (int k = 0; k < K; ++k) acc[t][k] = B(0.f);

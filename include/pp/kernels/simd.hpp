@@ -139,6 +139,12 @@ inline float load1(F16w, const uint16_t* p) { return f16_to_f32(*p); }
 template <class A>
 inline constexpr int kAccumulators = fbatch<A>::size >= 16 ? 4 : 2;
 
+// Accumulators per token of the float-weight dot kernels, by weight type. F16 rows stream 8-10% faster
+// from memory with two 16-lane chains than with four (one cache line an iteration; measured in decode
+// at 1 and 2 threads, docs/PERFORMANCE.md); BF16 and F32 measure the same either way and keep four.
+template <class A, class WT>
+inline constexpr int kWeightAccumulators = std::is_same_v<WT, F16w> ? 2 : kAccumulators<A>;
+
 // Weight rows lie end to end and are read once per token: fetching a fixed distance ahead of the read
 // keeps one stream going across rows and pages (the hardware prefetcher stops at each 4 KiB page, and
 // a bf16 row of 2048 is exactly one). Worth about 15% of a core's bandwidth here.
