@@ -110,15 +110,24 @@ inline void block_forward(const Config& c, const llama::BlockTensors& w, std::sp
     kernels::rope(s.q.data() + i * c.q_dim(), c.n_head, c.head_dim, s.cos.data() + i * hp, s.sin.data() + i * hp);
     kernels::rope(s.k.data() + i * c.kv_dim(), c.n_head_kv, c.head_dim, s.cos.data() + i * hp, s.sin.data() + i * hp);
   });
-  for (std::size_t i = 0; i < m; ++i)
-    for (std::size_t e = 0; e < c.kv_dim(); ++e) s.kt[e * s.kt_ld + i] = s.k[i * c.kv_dim() + e];
+  // The chunk's keys transposed for attention; after it, every segment's keys and values into its
+  // ring. Keys are split across the pool by element (transposed writes then run along positions).
+  const std::size_t kvd = c.kv_dim();
+  pool.parallel_for(kvd, [&](std::size_t e0, std::size_t e1, unsigned) {
+    for (std::size_t e = e0; e < e1; ++e)
+      for (std::size_t i = 0; i < m; ++i) s.kt[e * s.kt_ld + i] = s.k[i * kvd + e];
+  });
   attention(c, segs, layer, m, s, pool);
-  for (const Segment& seg : segs)
-    for (std::size_t i = 0; i < seg.n; ++i) {
-      const std::size_t slot = seg.kv->slot(seg.pos + int64_t(i)), row = seg.row0 + i;
-      seg.kv->put_k(layer, slot, s.k.data() + row * c.kv_dim());
-      std::memcpy(seg.kv->v(layer, slot), s.v.data() + row * c.kv_dim(), c.kv_dim() * sizeof(float));
-    }
+  pool.parallel_for(kvd, [&](std::size_t e0, std::size_t e1, unsigned) {
+    for (const Segment& seg : segs)
+      for (std::size_t e = e0; e < e1; ++e)
+        for (std::size_t i = 0; i < seg.n; ++i)
+          seg.kv->k_at(layer, seg.kv->slot(seg.pos + int64_t(i)), e) = s.k[(seg.row0 + i) * kvd + e];
+  });
+  rows([&](std::size_t i) {
+    const Segment& seg = segs[s.row_seg[i]];
+    std::memcpy(seg.kv->v(layer, seg.kv->slot(seg.pos + int64_t(i - seg.row0))), s.v.data() + i * kvd, kvd * sizeof(float));
+  });
   matmul_segments(pool, w.wo, segs, s.att.data(), s.proj.data(), qp);
   rows([&](std::size_t i) {
     kernels::add_inplace(x + i * E, s.proj.data() + i * E, E);

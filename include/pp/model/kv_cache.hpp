@@ -42,11 +42,8 @@ class KvCache {
   // kt(layer, g)[d * k_ld() + s]. Padded by kernels::kAttnPad floats at the end.
   const float* kt(std::size_t layer, std::size_t g) const { return kf() + (layer * kv_dim_ + g * head_dim_) * ld_; }
   std::size_t k_ld() const { return ld_; }
-  // Stores the [kv_dim] key row of block `layer` into slot `slot`.
-  void put_k(std::size_t layer, std::size_t slot, const float* row) {
-    float* base = kf() + layer * kv_dim_ * ld_ + slot;
-    for (std::size_t e = 0; e < kv_dim_; ++e) base[e * ld_] = row[e];
-  }
+  // Element e of the key in slot `slot` of block `layer` (writes along slots are contiguous).
+  float& k_at(std::size_t layer, std::size_t slot, std::size_t e) { return kf()[(layer * kv_dim_ + e) * ld_ + slot]; }
   // [kv_dim] value row of block `layer` at ring slot `slot`.
   float* v(std::size_t layer, std::size_t slot) { return vf() + (layer * cap_ + slot) * kv_dim_; }
   const float* v(std::size_t layer, std::size_t slot) const { return vf() + (layer * cap_ + slot) * kv_dim_; }
