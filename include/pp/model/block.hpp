@@ -111,14 +111,19 @@ inline void block_forward(const Config& c, const llama::BlockTensors& w, std::sp
     kernels::rope(s.k.data() + i * c.kv_dim(), c.n_head_kv, c.head_dim, s.cos.data() + i * hp, s.sin.data() + i * hp);
   });
   // The chunk's keys transposed for attention; after it, every segment's keys and values into its
-  // ring. Keys are split across the pool by element (transposed writes then run along positions).
+  // ring. Keys are split across the pool by element (transposed writes then run along positions); a
+  // few rows (a decode step) are cheaper to store inline than to hand to the pool.
   const std::size_t kvd = c.kv_dim();
-  pool.parallel_for(kvd, [&](std::size_t e0, std::size_t e1, unsigned) {
+  auto by_element = [&](auto&& f) {
+    if (m < kernels::kBulkRows) return f(std::size_t(0), kvd, 0u);
+    pool.parallel_for(kvd, f);
+  };
+  by_element([&](std::size_t e0, std::size_t e1, unsigned) {
     for (std::size_t e = e0; e < e1; ++e)
       for (std::size_t i = 0; i < m; ++i) s.kt[e * s.kt_ld + i] = s.k[i * kvd + e];
   });
   attention(c, segs, layer, m, s, pool);
-  pool.parallel_for(kvd, [&](std::size_t e0, std::size_t e1, unsigned) {
+  by_element([&](std::size_t e0, std::size_t e1, unsigned) {
     for (const Segment& seg : segs)
       for (std::size_t e = e0; e < e1; ++e)
         for (std::size_t i = 0; i < seg.n; ++i)
