@@ -88,6 +88,32 @@ pp::Stage& stage_for(const std::string& dtype, unsigned threads, pp::Residency r
   return *s;
 }
 
+// A sequence on a stage fed a prompt, then its own greedy tokens one decode step at a time (positions
+// wrap back to the prompt's end at the stage's context length).
+struct GreedyDecode {
+  GreedyDecode(pp::Stage& stage, std::vector<int32_t> prompt)
+      : s(stage), seq(stage.new_sequence()), n_prompt(int64_t(prompt.size())),
+        rows(prompt.size() * stage.config().n_embd), logits(stage.config().n_vocab) {
+    s.embed(prompt, rows.data());
+    s.forward(seq, 0, rows.data(), prompt.size());
+    s.head(seq, rows.data() + (prompt.size() - 1) * s.config().n_embd, 1, logits.data());
+    tok = pp::argmax(logits);
+    pos = n_prompt;
+  }
+  void step() {
+    s.embed({&tok, 1}, rows.data());
+    s.forward(seq, pos, rows.data(), 1);
+    s.head(seq, rows.data(), 1, logits.data());
+    tok = pp::argmax(logits);
+    if (++pos >= int64_t(s.ctx())) pos = n_prompt;
+  }
+  pp::Stage& s;
+  pp::Sequence seq;
+  int64_t n_prompt, pos = 0;
+  std::vector<float> rows, logits;
+  int32_t tok = 0;
+};
+
 // Decode: one token per iteration at growing positions after an 8-token prompt. The host's bandwidth
 // drifts from one second to the next (a shared VM), so a triad pass runs between tokens, untimed:
 // `fraction` is the decode's GB/s over the mean of those passes, both averaged over the same stretch.
@@ -98,23 +124,12 @@ void BM_Decode(benchmark::State& st) {
   const auto res = pp::Residency(st.range(2));
   const double bw = probe(threads);
   pp::Stage& s = stage_for(dt, threads, res);
-  pp::Sequence seq = s.new_sequence();
-  const std::size_t E = s.config().n_embd;
-  std::vector<float> rows(8 * E), logits(s.config().n_vocab);
-  const std::vector<int32_t> prompt = {128000, 791, 4062, 14198, 39935, 35308, 927, 279};
-  s.embed(prompt, rows.data());
-  s.forward(seq, 0, rows.data(), prompt.size());
-  int64_t pos = int64_t(prompt.size());
-  int32_t tok = 279;
+  GreedyDecode dec(s, {128000, 791, 4062, 14198, 39935, 35308, 927, 279});
   pp::bench::Triad triad(threads);
   double triad_inv_sum = 0;  // sum of 1 / GB/s: the passes' mean bandwidth is passes / this
   int passes = 0;
   for (auto _ : st) {
-    s.embed({&tok, 1}, rows.data());
-    s.forward(seq, pos, rows.data(), 1);
-    s.head(seq, rows.data(), 1, logits.data());
-    tok = pp::argmax(logits);
-    if (++pos >= int64_t(s.ctx())) pos = int64_t(prompt.size());
+    dec.step();
     st.PauseTiming();
     triad_inv_sum += 1.0 / triad.pass();
     ++passes;
@@ -290,22 +305,9 @@ void BM_Pipeline2(benchmark::State& st) {
   // Single process, same threads: the 8-token prompt, then n - 1 decode steps, timed per step.
   double single_ms = 0;
   {
-    pp::Stage& s = stage_for(dt, threads);
-    pp::Sequence seq = s.new_sequence();
-    const std::size_t E = s.config().n_embd;
-    std::vector<float> rows(8 * E), logits(s.config().n_vocab);
-    const std::vector<int32_t> prompt = {1, 2, 3, 4, 5, 6, 7, 8};
-    s.embed(prompt, rows.data());
-    s.forward(seq, 0, rows.data(), prompt.size());
-    s.head(seq, rows.data() + 7 * E, 1, logits.data());
-    int32_t tok = pp::argmax(logits);
+    GreedyDecode dec(stage_for(dt, threads), {1, 2, 3, 4, 5, 6, 7, 8});
     const auto t0 = std::chrono::steady_clock::now();
-    for (int i = 1; i < n; ++i) {
-      s.embed({&tok, 1}, rows.data());
-      s.forward(seq, int64_t(7 + i), rows.data(), 1);
-      s.head(seq, rows.data(), 1, logits.data());
-      tok = pp::argmax(logits);
-    }
+    for (int i = 1; i < n; ++i) dec.step();
     single_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / (n - 1);
   }
   double sum_ms = 0;
