@@ -7,18 +7,15 @@
 #include <pp/text/sampler.hpp>
 
 #include "bench_common.hpp"
+#include "../tests/common/node_process.hpp"
 
 #include <benchmark/benchmark.h>
 
-#include <csignal>
-#include <cstring>
 #include <filesystem>
 #include <map>
 #include <random>
+#include <regex>
 #include <vector>
-
-#include <sys/wait.h>
-#include <unistd.h>
 
 namespace {
 
@@ -246,61 +243,27 @@ BENCHMARK(BM_Load)
 // The 2-stage pipeline: pp_node's coordinator (blocks 0-7, embedding, head) and one worker (blocks
 // 8-15) as two processes on loopback, against decode in this process with the same threads. Each
 // iteration runs the coordinator once (8 prompt tokens, `n` generated) and takes its reported decode
-// ms/token; the single-process figure decodes the same tokens here. The binaries are found next to
-// this one in the build tree (../tools/pp_node) or at $PP_NODE_BIN.
-struct Child {
-  pid_t pid = -1;
-  FILE* out = nullptr;
-  ~Child() {
-    if (pid > 0) {
-      ::kill(pid, SIGTERM);
-      ::waitpid(pid, nullptr, 0);
-    }
-    if (out) std::fclose(out);
-  }
-};
-// Starts argv with stdout on a pipe.
-bool spawn(const std::vector<std::string>& argv, Child& c) {
-  int fds[2];
-  if (::pipe(fds) != 0) return false;
-  c.pid = ::fork();
-  if (c.pid == 0) {
-    ::dup2(fds[1], 1);
-    ::close(fds[0]);
-    ::close(fds[1]);
-    std::vector<char*> a;
-    for (const auto& s : argv) a.push_back(const_cast<char*>(s.c_str()));
-    a.push_back(nullptr);
-    ::execv(a[0], a.data());
-    ::_exit(127);
-  }
-  ::close(fds[1]);
-  c.out = ::fdopen(fds[0], "r");
-  return c.pid > 0 && c.out;
-}
+// ms/token; the single-process figure decodes the same tokens here. The binary is found next to this
+// one in the build tree (../tools/pp_node) or at $PP_NODE_BIN; processes run through the tests' helpers.
 std::string node_binary() {
   if (const char* b = std::getenv("PP_NODE_BIN")) return b;
-  char self[4096];
-  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof self - 1);
-  if (n <= 0) return "";
-  self[n] = 0;
-  return (std::filesystem::path(self).parent_path().parent_path() / "tools" / "pp_node").string();
+  std::error_code ec;
+  return (std::filesystem::read_symlink("/proc/self/exe", ec).parent_path().parent_path() / "tools" / "pp_node").string();
 }
 
 void BM_Pipeline2(benchmark::State& st) {
+  using pp::test::Millis;
   const std::string dt = dtype_arg(st.range(0));
   const unsigned threads = unsigned(st.range(1));
   const int n = 33;  // tokens generated per run: 32 decode steps after the prompt's
   const std::string node = node_binary(), model = pp::bench::model_1b(dt), th = std::to_string(threads);
   if (!std::filesystem::exists(node)) return st.SkipWithError(("pp_node not found at " + node).c_str());
-  Child worker;
-  if (!spawn({node, "--worker", "--model", model, "--host", "127.0.0.1", "--port", "0", "--threads", th}, worker))
-    return st.SkipWithError("cannot start the pp_node worker");
-  int port = 0;
-  char line[1024];
-  while (port == 0 && std::fgets(line, sizeof line, worker.out))
-    if (const char* at = std::strstr(line, "listening on 127.0.0.1:")) port = std::atoi(at + 23);
-  if (port == 0) return st.SkipWithError("the pp_node worker did not start listening");
+  pp::test::Process worker({node, "--worker", "--model", model, "--host", "127.0.0.1", "--port", "0", "--threads", th});
+  std::smatch port;
+  const bool up = worker.started() && worker.wait_output("(Ctrl-C to stop)", Millis{120000});
+  const std::string banner = worker.out();
+  if (!up || !std::regex_search(banner, port, std::regex("listening on 127\\.0\\.0\\.1:(\\d+)")))
+    return st.SkipWithError(("the pp_node worker did not start: " + worker.err()).c_str());
 
   // Single process, same threads: the 8-token prompt, then n - 1 decode steps, timed per step.
   double single_ms = 0;
@@ -313,19 +276,15 @@ void BM_Pipeline2(benchmark::State& st) {
   double sum_ms = 0;
   int runs = 0;
   for (auto _ : st) {
-    Child coord;
-    if (!spawn({node, "--coordinator", "127.0.0.1:" + std::to_string(port), "--model", model, "--prompt-ids",
-                "1,2,3,4,5,6,7,8", "--tokens", std::to_string(n), "--ignore-eos", "--threads", th, "--verify", "none"},
-               coord))
-      return st.SkipWithError("cannot start the pp_node coordinator");
-    double ms = 0;
-    while (std::fgets(line, sizeof line, coord.out))
-      if (const char* at = std::strstr(line, "tokens/s (")) ms = std::atof(at + 10);
-    ::waitpid(coord.pid, nullptr, 0);
-    coord.pid = -1;
-    if (ms <= 0) return st.SkipWithError("no decode figure in the coordinator's output");
-    st.SetIterationTime(ms / 1e3);
-    sum_ms += ms;
+    const auto r = pp::test::run_process({node, "--coordinator", "127.0.0.1:" + port[1].str(), "--model", model,
+                                          "--prompt-ids", "1,2,3,4,5,6,7,8", "--tokens", std::to_string(n),
+                                          "--ignore-eos", "--threads", th, "--verify", "none"},
+                                         Millis{600000});
+    std::smatch ms;  // "decode: N tokens in T ms = R tokens/s (M ms/token)"
+    if (r.code != 0 || !std::regex_search(r.out, ms, std::regex("tokens/s \\(([0-9.]+) ms/token\\)")))
+      return st.SkipWithError(("the pp_node coordinator failed: " + r.err).c_str());
+    st.SetIterationTime(std::stod(ms[1]) / 1e3);
+    sum_ms += std::stod(ms[1]);
     ++runs;
   }
   const double pipe_ms = sum_ms / runs;

@@ -35,7 +35,8 @@ namespace pp::kernels::amx {
 
 inline constexpr std::size_t kTileK = 32;     // bf16 elements of k per tile row
 inline constexpr std::size_t kTileRows = 16;  // weight rows (A) and tokens (B) per tile
-inline constexpr std::size_t kRowBlock = 32;  // weight rows per task: two A tiles
+inline constexpr std::size_t kRowBlock = 32;  // weight rows per task: two B tiles
+inline constexpr std::size_t kTileElems = kTileRows * kTileK;  // bf16 elements of one 1 KiB tile
 
 #if PP_HAVE_AMX
 // Whether this process may use AMX: compiled in, granted by the kernel, not disabled by PP_NO_AMX=1.
@@ -65,7 +66,7 @@ struct PackedX {
   Buffer<uint16_t> parts[3];
   std::size_t m_blocks = 0, k = 0;
   const uint16_t* tile(int part, std::size_t mb, std::size_t ks) const {
-    return parts[part].data() + (mb * (k / kTileK) + ks) * kTileRows * kTileK;
+    return parts[part].data() + (mb * (k / kTileK) + ks) * kTileElems;
   }
 };
 
@@ -149,8 +150,8 @@ inline void transpose16x16(__m512i r[16]) {
 inline constexpr std::size_t kChunkK = 1024;
 inline constexpr std::size_t kGroupBytes = std::size_t(1) << 20;
 
-// Rows [rb, rb + 16) x k [k0, k0 + 32 * steps) of w into B tiles at dst[ks * 512] (bf16 pairs of k
-// per row: [16 pairs][16 rows][2]); F16 weights also write their low parts at dst_lo.
+// Rows [rb, rb + 16) x k [k0, k0 + 32 * steps) of w into B tiles, one per k step from dst (bf16 pairs
+// of k per row: [16 pairs][16 rows][2]); F16 weights also write their low parts from dst_lo.
 inline void repack_b(const MatView& w, std::size_t rb, std::size_t k0, std::size_t steps, uint16_t* dst,
                      uint16_t* dst_lo) {
   const bool f16 = w.type == DType::F16;
@@ -171,10 +172,10 @@ inline void repack_b(const MatView& w, std::size_t rb, std::size_t k0, std::size
                                  to_bf16(_mm512_sub_ps(v1, from_bf16(h1))), 1);
     }
     transpose16x16(hi);
-    for (std::size_t j = 0; j < kTileRows; ++j) _mm512_store_si512(dst + ks * 512 + j * 32, hi[j]);
+    for (std::size_t j = 0; j < kTileRows; ++j) _mm512_store_si512(dst + ks * kTileElems + j * kTileK, hi[j]);
     if (!f16) continue;
     transpose16x16(lo);
-    for (std::size_t j = 0; j < kTileRows; ++j) _mm512_store_si512(dst_lo + ks * 512 + j * 32, lo[j]);
+    for (std::size_t j = 0; j < kTileRows; ++j) _mm512_store_si512(dst_lo + ks * kTileElems + j * kTileK, lo[j]);
   }
 }
 
@@ -187,7 +188,7 @@ inline void matmul_rows(const MatView& w, const PackedX& px, std::size_t m, floa
   _tile_loadconfig(&cfg);
   const bool f16 = w.type == DType::F16;
   const int w_parts = f16 ? 2 : 1;
-  const std::size_t K = w.cols, N = w.rows, chunk = std::min(K, kChunkK), tile = kTileRows * kTileK;
+  const std::size_t K = w.cols, N = w.rows, chunk = std::min(K, kChunkK);
   const std::size_t group =
       std::min(r1 - r0, std::max(kRowBlock, kGroupBytes / (chunk * 2 * w_parts) / kRowBlock * kRowBlock));
   // B tiles [w part][row tile][k step] of the current group and chunk; the last partial token block's
@@ -201,9 +202,9 @@ inline void matmul_rows(const MatView& w, const PackedX& px, std::size_t m, floa
     const std::size_t row_tiles = (std::min(r1, rg + group) - rg) / kTileRows;
     for (std::size_t k0 = 0; k0 < K; k0 += chunk) {
       const std::size_t steps = (std::min(K, k0 + chunk) - k0) / kTileK, ks0 = k0 / kTileK;
-      const std::size_t lo_offset = row_tiles * steps * tile;  // F16: the low parts follow the high ones
+      const std::size_t lo_offset = row_tiles * steps * kTileElems;  // F16: the low parts follow the high ones
       for (std::size_t rt = 0; rt < row_tiles; ++rt) {
-        uint16_t* dst = packed_w.data() + rt * steps * tile;
+        uint16_t* dst = packed_w.data() + rt * steps * kTileElems;
         repack_b(w, rg + rt * kTileRows, k0, steps, dst, dst + lo_offset);
       }
       for (std::size_t mb = 0; mb < px.m_blocks; mb += 2) {
@@ -236,12 +237,12 @@ inline void matmul_rows(const MatView& w, const PackedX& px, std::size_t m, floa
           // The weights' parts (one, or F16's two) against the activation parts: three against the
           // high part; against the low one, x_lo (below f32 resolution: 2^-8 * 2^-16 relative) is skipped.
           for (int wp = 0; wp < w_parts; ++wp) {
-            const uint16_t* b0 = packed_w.data() + std::size_t(wp) * lo_offset + rt * steps * tile;
-            const uint16_t* b1 = b0 + steps * tile;
+            const uint16_t* b0 = packed_w.data() + std::size_t(wp) * lo_offset + rt * steps * kTileElems;
+            const uint16_t* b1 = b0 + steps * kTileElems;
             const int x_parts = wp == 0 ? 3 : 2;
             for (std::size_t ks = 0; ks < steps; ++ks) {
-              _tile_loadd(4, b0 + ks * tile, 64);
-              _tile_loadd(5, b1 + ks * tile, 64);
+              _tile_loadd(4, b0 + ks * kTileElems, 64);
+              _tile_loadd(5, b1 + ks * kTileElems, 64);
               for (int part = 0; part < x_parts; ++part) {
                 _tile_loadd(6, px.tile(part, mb, ks0 + ks), 64);
                 _tile_dpbf16ps(0, 6, 4);

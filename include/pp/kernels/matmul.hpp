@@ -96,7 +96,7 @@ struct QuantPath {
 };
 
 #if PP_HAVE_AMX
-// BF16 weights on AMX: whole 32-row blocks on tiles, the remaining rows (if any) on the AVX path.
+// BF16 / F16 weights on AMX: whole 32-row blocks on tiles, the remaining rows (if any) on the AVX path.
 template <class A>
 inline void matmul_amx(ThreadPool& pool, const MatView& w, const float* x, std::size_t m, float* y) {
   // Grows to the largest call, then reused: no per-token allocation. Workers must see the caller's

@@ -139,9 +139,9 @@ inline float load1(F16w, const uint16_t* p) { return f16_to_f32(*p); }
 template <class A>
 inline constexpr int kAccumulators = fbatch<A>::size >= 16 ? 4 : 2;
 
-// Accumulators per token of the float-weight dot kernels, by weight type. F16 rows stream 8-10% faster
-// from memory with two 16-lane chains than with four (one cache line an iteration; measured in decode
-// at 1 and 2 threads, docs/PERFORMANCE.md); BF16 and F32 measure the same either way and keep four.
+// Accumulators per token of the float-weight dot kernels, by weight type. F16 rows stream faster from
+// memory with two 16-lane chains than with four (one cache line an iteration; pp_bench decode, see
+// docs/PERFORMANCE.md); BF16 measured the same either way and keeps four, as F32 does.
 template <class A, class WT>
 inline constexpr int kWeightAccumulators = std::is_same_v<WT, F16w> ? 2 : kAccumulators<A>;
 

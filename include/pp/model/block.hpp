@@ -114,8 +114,9 @@ inline void block_forward(const Config& c, const llama::BlockTensors& w, std::sp
   // ring. Keys are split across the pool by element (transposed writes then run along positions); a
   // few rows (a decode step) are cheaper to store inline than to hand to the pool.
   const std::size_t kvd = c.kv_dim();
+  constexpr std::size_t kInlineRows = 16;
   auto by_element = [&](auto&& f) {
-    if (m < kernels::kBulkRows) return f(std::size_t(0), kvd, 0u);
+    if (m < kInlineRows) return f(std::size_t(0), kvd, 0u);
     pool.parallel_for(kvd, f);
   };
   by_element([&](std::size_t e0, std::size_t e1, unsigned) {
