@@ -39,6 +39,16 @@ if command -v clang++ >/dev/null; then  # libFuzzer needs clang; only the fuzz t
   ninja -C build-fuzz fuzz || { echo "build build-fuzz failed"; echo "0 passed, 1 failed"; exit 1; }
 fi
 
+# Where this run happened, so that a failure report says on what host (issue 14): the CPU, the load, the
+# kernels each build's tools run (pp_node --version) and whether they are sanitized.
+echo "== host: $(lscpu | sed -n 's/^Model name:[[:space:]]*//p' | head -1), $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)"
+for dir in build-native build-asan; do
+  echo "== $dir: $("$dir/tools/pp_node" --version 2>&1 | head -1)"
+done
+[ -n "${PP_NO_AMX:-}" ] && echo "== PP_NO_AMX=$PP_NO_AMX"
+[ -n "${PP_TEST_TIME_SCALE:-}" ] && echo "== PP_TEST_TIME_SCALE=$PP_TEST_TIME_SCALE"
+t_start=$(date +%s)
+
 run_suites build-native
 # Any AddressSanitizer / UndefinedBehaviorSanitizer report or leak fails its test (the tools the contract
 # and fault tests spawn are sanitized too). Sanitized code runs ~2-3x slower: timeouts x3. Not the soak:
@@ -51,5 +61,17 @@ else
   echo "clang++ not found: fuzz suite not run"
 fi
 
+# Each suite's time (from meson's test logs), slowest first, then the one summary line.
+echo "== suite times (s), $(( $(date +%s) - t_start )) s in all:"
+for dir in build-native build-asan build-fuzz; do
+  [ -f "$dir/meson-logs/testlog.json" ] || continue
+  python3 - "$dir" <<'PY'
+import json, sys
+d = sys.argv[1]
+rows = [json.loads(l) for l in open(d + "/meson-logs/testlog.json") if l.strip()]
+for r in sorted(rows, key=lambda r: -r.get("duration", 0)):
+    print(f"  {d:12s} {r['name']:28s} {r.get('duration', 0):7.1f}  {r.get('result', '')}")
+PY
+done
 echo "${total_ok} passed, ${total_fail} failed"
 exit $rc

@@ -8,6 +8,7 @@
 #include <pp/text/tokenizer.hpp>
 
 #include <CLI/CLI.hpp>
+#include "common/build_info.hpp"
 #include <nlohmann/json.hpp>
 
 #include <chrono>
@@ -48,6 +49,7 @@ nlohmann::json rows_json(const std::vector<float>& v, std::size_t n, std::size_t
 
 int main(int argc, char** argv) {
   CLI::App app{"pp_generate: run a Llama GGUF in one process (optionally as chained stages)"};
+  app.set_version_flag("--version", [] { return pp::tools::version_line("pp_generate"); });
   std::string model, ids_arg, prompt_text, logits_out, wire = "f32";
   bool stop_at_eog = false, no_bos = false;
   std::vector<int> cuts;

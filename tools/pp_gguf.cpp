@@ -6,6 +6,7 @@
 #include <pp/io/gguf.hpp>
 #include <pp/io/mmap.hpp>
 
+#include "common/build_info.hpp"
 #include "common/synth.hpp"
 
 #include <CLI/CLI.hpp>
@@ -265,6 +266,7 @@ int run_synth(const SynthOptions& o) {
 
 int main(int argc, char** argv) {
   CLI::App app{"Inspect GGUF files"};
+  app.set_version_flag("--version", [] { return pp::tools::version_line("pp_gguf"); });
   app.require_subcommand(1);
 
   InfoOptions info;
@@ -291,6 +293,8 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {
     return app.exit(e);

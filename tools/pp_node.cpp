@@ -17,6 +17,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "common/build_info.hpp"
 #include "node/exposure.hpp"
 #include "node/model_coordinator.hpp"
 #include "node/psk.hpp"
@@ -561,6 +562,8 @@ int run_model(const Cli& c, const pp::net::ServerOptions& options, Millis timeou
   run.workers = parse_workers(c.coordinator, static_cast<uint16_t>(c.port));
   if (c.serve || c.chat) return run_serving(c, run, model);
   if (c.cuts_auto) throw UsageError{"--cuts auto needs --serve or --chat"};
+  install_stop_handlers();  // Ctrl-C ends the generation after the current token, with its report
+  run.stop = &g_stop_requested;
   return pp::node::run_model_coordinator(run);
 }
 
@@ -610,7 +613,9 @@ int main(int argc, char** argv) {
   CLI::App app{"pp_node: a forward pass split at layer boundaries across machines over TCP.\n"
                "With --model it runs the real model (workers get their layer range in the handshake);\n"
                "without it, the placeholder transform, which proves the transport."};
-  app.footer("Exit status: 0 ok, 1 byte-identity mismatch, 2 usage error, 3 peer or transport failure.");
+  app.footer("Exit status: 0 ok, 1 byte-identity mismatch, 2 usage error, 3 peer or transport failure.\n"
+             "SIGINT/SIGTERM: a --prompt run ends after the token in flight and reports the tokens generated.");
+  app.set_version_flag("--version", [] { return pp::tools::version_line("pp_node"); });
   Cli c;
   app.add_flag("--selftest", c.selftest,
                "run every stage in one process on loopback (correctness gate; with --model one worker per cut, "
@@ -704,6 +709,8 @@ int main(int argc, char** argv) {
     c.cut_given = cut_opt->count() > 0;
     c.tokens_given = tokens_opt->count() > 0;
   } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     app.exit(e);

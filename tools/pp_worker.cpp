@@ -1,4 +1,5 @@
 // pp_worker: one pipeline stage served as JSON lines over stdin/stdout (docs/PROTOCOL-WORKER.md).
+#include "common/build_info.hpp"
 #include "worker/backend.hpp"
 #include "worker/events.hpp"
 #include "worker/line_io.hpp"
@@ -142,12 +143,15 @@ int main(int argc, char** argv) {
                "Environment: STAGE, NUM_STAGES (required), MODEL, PP_WORKER_STUB, PP_CTX, PP_THREADS,\n"
                "PP_WIRE_DTYPE, PP_WORKER_EVENTS, PP_HEARTBEAT_SECS (see docs/PROTOCOL-WORKER.md)."};
   std::string model, ctx;
+  app.set_version_flag("--version", [] { return pp::tools::version_line("pp_worker"); });
   app.add_flag("--stub", cli.stub, "stub mode: no model, deterministic stand-ins (also PP_WORKER_STUB=1)");
   CLI::Option* model_opt = app.add_option("--model", model, "GGUF path or Ollama tag (default: $MODEL)");
   CLI::Option* ctx_opt = app.add_option("--ctx", ctx, "KV capacity in positions (default: $PP_CTX or min(4096, model))");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     say(std::string("bad command line: ") + e.what());

@@ -181,8 +181,9 @@ inline std::size_t active_sessions(uint16_t port, const pp::net::PresharedKey* k
   return it == kv.end() ? SIZE_MAX : std::stoul(it->second);
 }
 
+// True once the worker reports `want` active sessions, within `timeout` (scaled to the host).
 inline bool wait_sessions(uint16_t port, std::size_t want, Millis timeout, const pp::net::PresharedKey* key = nullptr) {
-  const auto deadline = Clock::now() + timeout;
+  const auto deadline = Clock::now() + slack(timeout);
   while (active_sessions(port, key) != want) {
     if (Clock::now() > deadline) return false;
     std::this_thread::sleep_for(Millis{20});

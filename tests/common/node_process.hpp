@@ -1,5 +1,9 @@
-// Test helpers for tools that run as processes: spawn with captured output, wait with deadlines, raw loopback sockets.
+// Test helpers for tools that run as processes: spawn with captured output, wait for events, raw loopback
+// sockets. Every deadline a helper takes guards against a hang and is scaled to the host (timing.hpp): a
+// test states how long an event may take on a fast idle machine, and a slower or busier host gets more.
 #pragma once
+
+#include "timing.hpp"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -79,9 +83,9 @@ class Process {
     return true;
   }
 
-  // Exit status (128 + signal when killed), or nullopt if still running after `timeout`.
+  // Exit status (128 + signal when killed), or nullopt if still running after `timeout` (scaled).
   std::optional<int> wait(Millis timeout) {
-    const auto deadline = Clock::now() + timeout;
+    const auto deadline = Clock::now() + slack(timeout);
     while (running()) {
       if (Clock::now() > deadline) return std::nullopt;
       std::this_thread::sleep_for(Millis{5});
@@ -90,7 +94,7 @@ class Process {
   }
 
   bool wait_output(const std::string& needle, Millis timeout) {
-    const auto deadline = Clock::now() + timeout;
+    const auto deadline = Clock::now() + slack(timeout);
     for (;;) {
       if (out().find(needle) != std::string::npos) return true;
       if (!running() || Clock::now() > deadline) return out().find(needle) != std::string::npos;
@@ -99,7 +103,7 @@ class Process {
   }
 
   bool wait_stderr(const std::string& needle, Millis timeout) {
-    const auto deadline = Clock::now() + timeout;
+    const auto deadline = Clock::now() + slack(timeout);
     while (err().find(needle) == std::string::npos) {
       if (Clock::now() > deadline) return false;
       std::this_thread::sleep_for(Millis{10});
@@ -199,11 +203,11 @@ class RawSocket {
     return true;
   }
 
-  // Exactly n bytes within `timeout`, or nullopt (timeout, close or reset).
+  // Exactly n bytes within `timeout` (scaled), or nullopt (timeout, close or reset).
   std::optional<std::vector<uint8_t>> read_n(std::size_t n, Millis timeout) {
     std::vector<uint8_t> b(n);
     std::size_t got = 0;
-    const auto deadline = Clock::now() + timeout;
+    const auto deadline = Clock::now() + slack(timeout);
     while (got < n) {
       const auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now()).count();
       if (left <= 0) return std::nullopt;
@@ -216,9 +220,9 @@ class RawSocket {
     return b;
   }
 
-  // True when the peer ends the connection (EOF or reset) within `timeout`; data is discarded.
+  // True when the peer ends the connection (EOF or reset) within `timeout` (scaled); data is discarded.
   bool closed_by_peer(Millis timeout) {
-    const auto deadline = Clock::now() + timeout;
+    const auto deadline = Clock::now() + slack(timeout);
     std::array<uint8_t, 4096> sink;
     for (;;) {
       const auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now()).count();

@@ -3,6 +3,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "timing.hpp"
+
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
@@ -26,7 +28,9 @@ using WorkerEnv = std::map<std::string, std::string>;
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-inline constexpr double kTimeout = 5.0;  // seconds any single wait may take; every test stays well under 10 s
+// Seconds any single wait may take on a fast idle machine; every wait below scales its deadline to the host
+// (timing.hpp), so these guard against hangs, not against a slow host.
+inline constexpr double kTimeout = 5.0;
 
 inline std::string worker_bin() {
   std::string bin;
@@ -104,7 +108,7 @@ class Worker {
     size_t done = 0;
     const auto t0 = Clock::now();
     while (done < data.size()) {
-      if (seconds_since(t0) > kTimeout) throw std::runtime_error("send timed out");
+      if (seconds_since(t0) > kTimeout * host_factor()) throw std::runtime_error("send timed out");
       pollfd fds[2] = {{in_, POLLOUT, 0}, {out_, POLLIN, 0}};
       ::poll(fds, 2, 100);
       if (fds[1].revents & (POLLIN | POLLHUP)) pump_stdout();
@@ -130,9 +134,10 @@ class Worker {
     eof_ = true;
   }
 
-  // The next stdout line (without '\n'), or nullopt after `timeout` seconds or at EOF.
+  // The next stdout line (without '\n'), or nullopt after `timeout` seconds (scaled) or at EOF.
   std::optional<std::string> line(double timeout = kTimeout) {
     const auto t0 = Clock::now();
+    timeout *= host_factor();
     while (true) {
       const size_t nl = buf_.find('\n');
       if (nl != std::string::npos) {
@@ -169,9 +174,10 @@ class Worker {
     return r;
   }
 
-  // Exit status (or 128 + signal), nullopt if still running after `timeout` seconds.
+  // Exit status (or 128 + signal), nullopt if still running after `timeout` seconds (scaled).
   std::optional<int> wait_exit(double timeout = kTimeout) {
     const auto t0 = Clock::now();
+    timeout *= host_factor();
     while (true) {
       int st = 0;
       const pid_t r = ::waitpid(pid_, &st, WNOHANG);

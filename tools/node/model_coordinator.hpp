@@ -2,6 +2,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -70,6 +71,9 @@ struct ModelRunOptions {
   // After the chain fails mid-generation, keep re-establishing it this long and replay the session into
   // it (detail::resume_chain); 0 = stop with the error.
   net::Millis resume{0};
+  // Set (by SIGINT/SIGTERM) to end the generation after the current token: the report and the
+  // byte-identity line then cover the tokens generated so far. Null: runs to --tokens or end of generation.
+  const std::atomic<bool>* stop = nullptr;
 };
 
 namespace detail {
@@ -370,6 +374,8 @@ inline void resume_chain(const ChainSpec& spec, const Stage& stage, Sequence& se
     const auto now = clock::now();
     if (now >= deadline)
       throw Error("could not resume within " + within + " (--resume) after: " + failure + "; last error: " + last);
+    if (spec.o.stop && spec.o.stop->load())
+      throw Error("stopped by a signal while resuming after: " + failure + "; last error: " + last);
     std::this_thread::sleep_for(std::min<clock::duration>(std::chrono::milliseconds(200), deadline - now));
     try {
       Chain fresh = connect_chain(spec.o, spec.cuts, spec.id, spec.ctx, spec.mine);
@@ -467,6 +473,10 @@ inline int run_model_coordinator(const ModelRunOptions& o) {
   int64_t pos = 0;
   const detail::ChainSpec spec{o, cuts, id, ctx, mine};
   for (uint32_t i = 0; i < o.tokens; ++i) {
+    if (o.stop && o.stop->load()) {
+      std::cerr << "pp_node coordinator: stopped by a signal after " << i << " token(s)" << std::endl;
+      break;
+    }
     const uint8_t flags = uint8_t((verifier.wants(i) || digest_file.is_open() ? net::kFlagDigest : 0) |
                                   (logits_file.is_open() ? net::kFlagLogits : 0));
     net::ModelHeader fwd;
@@ -500,7 +510,7 @@ inline int run_model_coordinator(const ModelRunOptions& o) {
     if (logits_file.is_open())
       logits_file.write(reinterpret_cast<const char*>(r.logits.data()), std::streamsize(r.logits.size() * 4));
     if (digest_file.is_open())
-      digest_file << pos + int64_t(feed.size()) << ' ' << r.token << ' ' << to_hex(*r.digest) << '\n';
+      digest_file << pos + int64_t(feed.size()) << ' ' << r.token << ' ' << to_hex(*r.digest) << std::endl;  // line by line: a stopped run keeps its digests
 
     pos += int64_t(feed.size());
     feed.assign(1, r.token);
