@@ -60,6 +60,43 @@ void matvec_args(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(BM_Matvec)->Apply(matvec_args)->Unit(benchmark::kMicrosecond)->UseRealTime();
 
+// A prompt's matmul (128 tokens) at the 1B shapes, one thread, by kernel: 0 = the 1-row dot kernels of
+// a decode step applied to every token; 1 = the exact tile kernel a bulk request takes here (AMX tiles
+// or the vector register tiles of gemm.hpp); 2 = the fast path (BF16 only: bf16 activations and the
+// bf16 dot, where the CPU has one), activation rounding included.
+void BM_MatmulBulk(benchmark::State& st) {
+  const auto type = pp::DType(st.range(0));
+  const std::size_t rows = std::size_t(st.range(1)), cols = std::size_t(st.range(2)), m = 128;
+  const int kernel = int(st.range(3));
+  if (kernel == 2 && (type != pp::DType::BF16 || !pp::kernels::gemm::kHaveFastBf16)) {
+    st.SkipWithError("no fast path for this type on this build");
+    return;
+  }
+  const std::size_t bytes = pp::row_bytes(type, cols) * rows;
+  pp::AnonymousRegion w(bytes);
+  std::mt19937 rng(1);
+  for (std::size_t i = 0; i < bytes / 2; ++i) reinterpret_cast<uint16_t*>(w.data())[i] = uint16_t(0x3c00 ^ (rng() & 0x03ff));
+  pp::MatView mv{type, w.data(), rows, cols, pp::row_bytes(type, cols)};
+  std::vector<float> x(m * cols, 0.5f), y(m * rows);
+  std::vector<uint8_t> xq(m * pp::kernels::xq_row_bytes(cols));
+  pp::ThreadPool pool(1);
+  for (auto _ : st) {
+    if (kernel == 0) pp::kernels::matmul_rows<pp::simd::Best>(mv, x.data(), m, y.data(), 0, rows);
+    else pp::kernels::matmul(pool, mv, x.data(), m, y.data(), {false, xq, kernel == 2}, /*bulk=*/true);
+    benchmark::DoNotOptimize(y.data());
+  }
+  st.counters["GFLOP/s"] =
+      benchmark::Counter(2.0 * double(rows * cols * m), benchmark::Counter::kIsIterationInvariantRate);
+  st.SetLabel(std::string(pp::dtype_name(type)) + " " + std::to_string(rows) + "x" + std::to_string(cols) + " " +
+              (kernel == 0   ? "dot kernels"
+               : kernel == 2 ? "fast: bf16 dot tiles"
+               : pp::kernels::amx::applies(mv) ? "AMX tiles" : "vector tiles"));
+}
+BENCHMARK(BM_MatmulBulk)
+    ->ArgsProduct({{int(pp::DType::BF16), int(pp::DType::F16), int(pp::DType::F32)}, {2048}, {2048, 8192}, {0, 1, 2}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
 // Model weight types by benchmark argument.
 const char* dtype_arg(int64_t i) {
   static const char* names[] = {"bf16", "f16", "q8_0", "q4_k_m"};
@@ -192,7 +229,12 @@ void BM_Prefill(benchmark::State& st) {
     s.head(seq, rows.data() + (n - 1) * s.config().n_embd, 1, logits.data());
   }
   st.counters["tok/s"] = benchmark::Counter(double(n), benchmark::Counter::kIsIterationInvariantRate);
-  st.SetLabel(dt);
+  // Which numeric path the prompt took (float weights: AMX / vector tiles exact, or the bf16 dot).
+  const bool quant = dt != "bf16" && dt != "f16";
+  st.SetLabel(dt + (quant                          ? " fast (int8)"
+                    : dt == "bf16" && s.fast_float() ? " fast (bf16 dot)"
+                    : pp::kernels::amx::available()  ? " exact (AMX)"
+                                                     : " exact (vector tiles)"));
 }
 BENCHMARK(BM_Prefill)->ArgsProduct({{0, 1, 2, 3}, {128, 512}, {1, 2}})->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(2);
 

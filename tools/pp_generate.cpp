@@ -71,6 +71,8 @@ int main(int argc, char** argv) {
   app.add_option("--wire", wire, "residual dtype at each cut: f32, bf16 (pp_worker's wire) or f16")
       ->check(CLI::IsMember({"f32", "bf16", "f16"}));
   app.add_option("-t,--threads", threads, "compute threads (0 = all cores)");
+  bool exact_float = false;
+  app.add_flag("--exact-float", exact_float, pp::tools::kExactFloatHelp);
   app.add_option("--ctx", ctx, "KV capacity in positions (0 = min(4096, model context))");
   app.add_option("--temperature", temperature, "sample with this temperature (> 0) instead of argmax");
   app.add_option("--top-k", top_k, "keep the k most likely tokens (>= 1)");
@@ -79,6 +81,7 @@ int main(int argc, char** argv) {
   app.add_option("--seed", sp.seed, "sampling seed (the draw depends only on seed and position)");
   app.add_option("--logits-out", logits_out, "write prompt and per-step logits as golden JSON");
   CLI11_PARSE(app, argc, argv);
+  pp::tools::set_exact_float(exact_float);
 
   try {
     if (app.count("--temperature")) sp.temperature = temperature;

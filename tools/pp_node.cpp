@@ -666,6 +666,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--ignore-eos", c.ignore_eos, "keep generating past end-of-generation tokens");
   app.add_option("--threads", c.threads, "compute threads per stage (0 = all cores)")->capture_default_str();
+  bool exact_float = false;
+  app.add_flag("--exact-float", exact_float, pp::tools::kExactFloatHelp);
   app.add_flag("--mapped", c.mapped,
                "use the weights from the file mapping (shared page cache) instead of copying them into "
                "anonymous huge-page memory (the default: faster decode)");
@@ -708,6 +710,7 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
     c.cut_given = cut_opt->count() > 0;
     c.tokens_given = tokens_opt->count() > 0;
+    pp::tools::set_exact_float(exact_float);
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForVersion& e) {

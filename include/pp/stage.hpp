@@ -30,6 +30,7 @@
 #include <cstring>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -54,6 +55,11 @@ struct StageOptions {
   // math on tests/data/golden-kq, 1.3-3.5x faster), or false for the exact path (weights dequantized to
   // f32 inside the dot, within 1e-3 of float64). Float weights ignore it.
   bool fast_quant = true;
+  // BF16 weights in prompts (requests of kernels::kBulkRows rows or more): activations rounded to bf16
+  // and the CPU's bf16 dot (AVX512-BF16), llama.cpp's numerics, or false for the exact path (f32
+  // activations, within 1e-3 of float64). Unset: kernels::fast_float_default(), fast where the bf16 dot
+  // exists and AMX does not. Decode steps, and other weight types, ignore it.
+  std::optional<bool> fast_float;
   // Anonymous by default: decode streams the weights ~1.4x faster from anonymous huge pages than from
   // the file mapping here (docs/PERFORMANCE.md). Mapped shares the page cache between processes.
   Residency residency = Residency::Anonymous;
@@ -96,6 +102,13 @@ class Stage {
   bool is_last() const { return range_.hi == int(cfg_.n_layer); }
   std::size_t ctx() const { return ctx_; }
   unsigned threads() const { return pool_->size(); }
+  // Whether BF16 weights in prompts take the bf16-dot fast path here (StageOptions::fast_float).
+  bool fast_float() const { return fast_float_; }
+  // The kernels this stage computes with, as the handshake reports them: the SIMD target, plus the
+  // prompt path of BF16 weights when it is the fast one (results then differ from an exact end).
+  std::string kernel_profile() const {
+    return std::string(simd::Best::name()) + (fast_float_ ? "+bf16dot" : "");
+  }
   const gguf::File& gguf() const { return gguf_; }
   const MappedFile& file() const { return file_; }
   // Bytes of the tensors this stage reads (its share of the file).
@@ -163,7 +176,7 @@ class Stage {
         if (done == b.n) ++entry, done = 0;
       }
       const std::span<const Segment> chunk(segs, n_segs);
-      for (std::size_t l = 0; l < blocks_.size(); ++l) block_forward(cfg_, blocks_[l], chunk, l, m, x, s, *pool_, fast_quant_);
+      for (std::size_t l = 0; l < blocks_.size(); ++l) block_forward(cfg_, blocks_[l], chunk, l, m, x, s, *pool_, fast_quant_, fast_float_);
       for (const Segment& g : chunk) g.kv->commit(g.pos, g.n);
       x += m * cfg_.n_embd;
     }
@@ -178,7 +191,7 @@ class Stage {
       for (std::size_t i = 0; i < m; ++i)
         kernels::rmsnorm(rows + (c0 + i) * cfg_.n_embd, out_norm_, cfg_.rms_eps, cfg_.n_embd,
                          s.xn.data() + i * cfg_.n_embd);
-      kernels::matmul(*pool_, output_, s.xn.data(), m, logits + c0 * cfg_.n_vocab, {fast_quant_, s.xq.span()},
+      kernels::matmul(*pool_, output_, s.xn.data(), m, logits + c0 * cfg_.n_vocab, {fast_quant_, s.xq.span(), fast_float_},
                       n >= kernels::kBulkRows);
     }
   }
@@ -204,6 +217,7 @@ class Stage {
     if (ctx_ > llama::kMaxCtx) throw Error("ctx " + std::to_string(ctx_) + " exceeds " + std::to_string(llama::kMaxCtx));
     max_rows_ = std::max<std::size_t>(1, std::min(opt.max_rows, ctx_));
     fast_quant_ = opt.fast_quant;
+    fast_float_ = opt.fast_float.value_or(kernels::fast_float_default()) && kernels::gemm::kHaveFastBf16;
     pool_ = std::make_unique<ThreadPool>(opt.threads);
     rope_ = Rope(cfg_.head_dim, cfg_.rope_base, llama::rope_freq_factors(gguf_, cfg_));
 
@@ -277,6 +291,7 @@ class Stage {
   LayerRange range_;
   std::size_t ctx_ = 0, max_rows_ = 32, bytes_used_ = 0;
   bool fast_quant_ = false;
+  bool fast_float_ = false;
   std::unique_ptr<ThreadPool> pool_;
   Rope rope_;
   AnonymousRegion resident_;  // the weights' copy under Residency::Anonymous

@@ -1,4 +1,5 @@
 // Golden: logits of golden-tiny (F32/F16/BF16) against the float64 reference, prompt and teacher-forced decode.
+#include <pp/kernels/gemm.hpp>
 #include <pp/stage.hpp>
 #include <pp/text/sampler.hpp>
 
@@ -37,7 +38,8 @@ TEST_P(GoldenTiny, PromptAndTeacherForcedDecodeMatchExact) {
   const auto& [dt, prompt] = GetParam();
   const json ref = pp::test::load_json(pp::test::data_dir() / "golden-tiny" /
                                        ("golden-tiny-" + dt + "." + prompt + ".exact.json"));
-  auto st = pp::Stage::open_full(model_path(dt), {.threads = 2});
+  // The exact path (f32 activations) must match float64 within kTol; GoldenTinyFast covers the fast one.
+  auto st = pp::Stage::open_full(model_path(dt), {.threads = 2, .fast_float = false});
   const pp::Config& c = st->config();
   pp::Sequence seq = st->new_sequence();
 
@@ -91,5 +93,82 @@ INSTANTIATE_TEST_SUITE_P(AllFiles, GoldenTiny,
                              if (ch == '-') ch = '_';
                            return s;
                          });
+
+// The fast path of BF16 prompts (activations rounded to bf16, the bf16 dot: kernels/gemm.hpp) against
+// the same float64 reference, over the prompt (bulk: it runs on the fast tiles) and the teacher-forced
+// decode that reads its KV cache: at most 1.25x llama.cpp's own distance (kvf32 file) over the same
+// positions and ids.
+class GoldenTinyFast : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(GoldenTinyFast, Bf16PromptWithinLlamaCppsDistanceOfExact) {
+  if (!pp::kernels::gemm::kHaveFastBf16) GTEST_SKIP() << "no bf16 dot in this build (AVX512-BF16): no fast path";
+  const std::string prompt = GetParam();
+  const auto dir = pp::test::data_dir() / "golden-tiny";
+  const json ref = pp::test::load_json(dir / ("golden-tiny-bf16." + prompt + ".exact.json"));
+  const json llama = pp::test::load_json(dir / ("golden-tiny-bf16." + prompt + ".kvf32.json"));
+  auto st = pp::Stage::open_full(model_path("bf16"), {.threads = 2, .fast_float = true});
+  ASSERT_TRUE(st->fast_float());
+  const std::size_t V = st->config().n_vocab, E = st->config().n_embd;
+  const std::vector<int32_t> toks = ref["prompt_tokens"].get<std::vector<int32_t>>();
+  ASSERT_GE(toks.size(), pp::kernels::kBulkRows);
+  pp::Sequence seq = st->new_sequence();
+  std::vector<float> rows(toks.size() * E), logits(toks.size() * V);
+  st->embed(toks, rows.data());
+  st->forward(seq, 0, rows.data(), toks.size());
+  st->head(seq, rows.data(), toks.size(), logits.data());
+
+  // Distances over the ids the reference lists for a position (all of them where it has full logits).
+  auto distance = [&](const json& ours_full, const std::vector<float>* ours, std::size_t pos, const json& exact_full,
+                      const json& exact_top, const json& other_top) {
+    double d = 0;
+    auto ours_at = [&](int id) {
+      if (ours) return double((*ours)[pos * V + std::size_t(id)]);
+      if (!ours_full.is_null()) return ours_full[std::size_t(id)].get<double>();
+      for (const auto& e : other_top)
+        if (e[0].get<int>() == id) return e[1].get<double>();
+      return std::nan("");
+    };
+    if (!exact_full.is_null()) {
+      for (std::size_t v = 0; v < exact_full.size(); ++v)
+        d = std::max(d, std::abs(ours_at(int(v)) - exact_full[v].get<double>()));
+    } else {
+      for (const auto& e : exact_top) {
+        const double o = ours_at(e[0].get<int>());
+        if (!std::isnan(o)) d = std::max(d, std::abs(o - e[1].get<double>()));
+      }
+    }
+    return d;
+  };
+  double ours_max = 0, llama_max = 0;
+  for (std::size_t i = 0; i < toks.size(); ++i) {
+    const json exact_full = ref.contains("logits") ? ref["logits"][i] : json();
+    ours_max = std::max(ours_max, distance(json(), &logits, i, exact_full, ref["logits_top"][i], json()));
+    llama_max = std::max(llama_max, distance(llama.contains("logits") ? llama["logits"][i] : json(), nullptr, 0,
+                                             exact_full, ref["logits_top"][i], llama["logits_top"][i]));
+  }
+  // Teacher-forced decode on the fast prompt's cache (decode steps themselves are exact).
+  const std::vector<int32_t> greedy = ref["greedy"].get<std::vector<int32_t>>();
+  std::vector<float> row(E), step(V);
+  std::copy(&logits[(toks.size() - 1) * V], &logits[toks.size() * V], step.begin());
+  for (std::size_t i = 0; i < greedy.size(); ++i) {
+    if (i > 0) {
+      const int32_t t = greedy[i - 1];
+      st->embed({&t, 1}, row.data());
+      st->forward(seq, int64_t(toks.size() + i - 1), row.data(), 1);
+      st->head(seq, row.data(), 1, step.data());
+    }
+    const json exact_full = ref.contains("greedy_logits") ? ref["greedy_logits"][i] : json();
+    ours_max = std::max(ours_max, distance(json(), &step, 0, exact_full, ref["greedy_logits_top"][i], json()));
+    llama_max = std::max(llama_max, distance(llama.contains("greedy_logits") ? llama["greedy_logits"][i] : json(),
+                                             nullptr, 0, exact_full, ref["greedy_logits_top"][i],
+                                             llama["greedy_logits_top"][i]));
+  }
+  std::printf("[golden fast] bf16 %s: max |diff| from exact %.3g (llama.cpp kvf32: %.3g, ratio %.2f)\n",
+              prompt.c_str(), ours_max, llama_max, ours_max / llama_max);
+  EXPECT_GT(ours_max, 1e-6) << "the fast path gave exact results: was it taken?";
+  EXPECT_LE(ours_max, 1.25 * llama_max);
+}
+
+INSTANTIATE_TEST_SUITE_P(BulkPrompts, GoldenTinyFast, ::testing::Values("p40", "p300"));
 
 }  // namespace

@@ -443,7 +443,7 @@ inline int run_model_coordinator(const ModelRunOptions& o) {
   }
   const std::vector<int32_t> prompt = detail::prompt_tokens(o, tok, tok_error, cfg, ctx);
 
-  const net::NumericProfile mine = net::local_profile(stage.threads());
+  const net::NumericProfile mine = net::local_profile(stage);
   detail::Chain chain = detail::connect_chain(o, cuts, id, ctx, mine);
   detail::print_chain(stage, id, chain, mine);
   detail::Verifier verifier(o, cuts, so, stage.file().size());

@@ -116,7 +116,7 @@ class LoadProgress {
 };
 
 inline void print_stages(const ServeEngine& e) {
-  const net::NumericProfile mine = net::local_profile(e.stage().threads());
+  const net::NumericProfile mine = net::local_profile(e.stage());
   std::cout << "pipeline: model '" << e.identity().file << "' (" << e.config().n_layer << " layers, hidden "
             << e.config().n_embd << ", vocab " << e.config().n_vocab << "), ctx " << e.ctx() << ", " << e.n_stages()
             << " stages\n";

@@ -264,7 +264,7 @@ class ServeEngine {
     hello.from = uint32_t(cfg_.cuts.front());
     hello.stage = 1;
     hello.chain = hops_;
-    hello.coordinator = net::local_profile(stage_ ? stage_->threads() : cfg_.threads);
+    hello.coordinator = stage_ ? net::local_profile(*stage_) : net::NumericProfile{simd::Best::name(), cfg_.threads};
     auto ms = [](net::Millis t) { return t == net::kNoTimeout ? 0u : uint32_t(std::min<int64_t>(t.count(), 86400000)); };
     hello.timeout_ms = ms(cfg_.timeouts.io);
     hello.load_timeout_ms = ms(cfg_.load_wait);

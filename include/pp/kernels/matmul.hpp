@@ -2,18 +2,23 @@
 //
 // Invariant: the dot product of one weight row with one activation row is computed by the same
 // sequence of operations whether it is part of a 1-token matvec or an n-token matmul, and whatever
-// thread computes it. Prefill and decode therefore agree bit for bit, and so do split pipelines.
+// thread computes it, within each of two paths: requests of kBulkRows rows or more (prompts) take the
+// tile kernels (AMX, or gemm.hpp's vector register tiles), shorter ones (decode steps) the dot kernels
+// below. A row's path depends only on its own request's size, so split pipelines, batches and thread
+// counts never change a result.
 #pragma once
 
 #include <pp/core/dtype.hpp>
 #include <pp/core/thread_pool.hpp>
 #include <pp/kernels/quant.hpp>
 #include <pp/kernels/amx.hpp>
+#include <pp/kernels/gemm.hpp>
 #include <pp/kernels/simd.hpp>
 
 #include <algorithm>
 #include <cassert>
 #include <cstddef>
+#include <cstdlib>
 #include <span>
 
 namespace pp::kernels {
@@ -88,12 +93,29 @@ inline void matmul_rows(const MatView& w, const float* x, std::size_t m, float* 
   }
 }
 
-// The numeric path of quantized weights (float weights ignore it). Exact: weights dequantized to f32
-// inside the dot. Fast: x's rows quantized once per call into the caller's `xq`, integer dot products.
+// The numeric path of a matmul. Quantized weights: exact = weights dequantized to f32 inside the dot;
+// fast = x's rows quantized once per call into the caller's `xq`, integer dot products. BF16 weights in
+// bulk requests with fast_float (where the CPU has a bf16 dot, gemm::kHaveFastBf16): x rounded to bf16
+// into `xq`, vdpbf16ps tiles, llama.cpp's numerics; otherwise float weights are exact.
 struct QuantPath {
   bool fast = false;
-  std::span<uint8_t> xq;  // [m, quant::act_row_bytes(w.type, w.cols)] bytes; act_row_bytes_bound suffices
+  std::span<uint8_t> xq;  // [m, xq_row_bytes(w.cols)] bytes
+  bool fast_float = false;
 };
+
+// Bytes of one row of `xq` for matmuls of input width up to n (either fast path).
+inline constexpr std::size_t xq_row_bytes(std::size_t n) {
+  return std::max(quant::act_row_bytes_bound(n), n * sizeof(uint16_t));
+}
+
+// The default of fast_float on this CPU, from the measurements in docs/PERFORMANCE.md: the bf16 dot
+// where it exists, except on AMX CPUs, whose exact tiles are faster still; PP_EXACT_FLOAT=1 (what the
+// tools' --exact-float sets) makes the exact path the default of every stage of the process.
+inline bool fast_float_default() {
+  const char* exact = std::getenv("PP_EXACT_FLOAT");
+  if (exact && exact[0] == '1') return false;
+  return gemm::kHaveFastBf16 && !amx::available();
+}
 
 #if PP_HAVE_AMX
 // BF16 / F16 weights on AMX: whole 32-row blocks on tiles, the remaining rows (if any) on the AVX path.
@@ -112,10 +134,15 @@ inline void matmul_amx(ThreadPool& pool, const MatView& w, const float* x, std::
 }
 #endif
 
-// Requests of at least this many rows (prompts) are "bulk": their rows may run on AMX tiles, many
-// times faster for many rows but summing in a different order from the vector kernels, which every
-// shorter request (a decode step) takes because they stream the weights faster for one row.
+// Requests of at least this many rows (prompts) are "bulk": float weights run on tile kernels (AMX
+// tiles, else vector register tiles), many times faster for many rows but summing in a different order
+// from the dot kernels, which every shorter request (a decode step) takes because they stream the
+// weights faster for one row.
 inline constexpr std::size_t kBulkRows = 16;
+
+// Whether bulk rows against weights of type t take a tile kernel (and so sum in another order than the
+// dot kernels of a decode step): float weights do, quantized ones keep one path.
+inline bool bulk_on_tiles(DType t) { return t == DType::F32 || t == DType::F16 || t == DType::BF16; }
 
 // y[m, w.rows] = x[m, w.cols] * w^T, output rows split across the pool. bulk: the rows belong to bulk
 // requests (see kBulkRows); the caller decides, so that a row's path depends on its own request only.
@@ -131,11 +158,30 @@ inline void matmul(ThreadPool& pool, const MatView& w, const float* x, std::size
     });
     xq = path.xq.data();
   }
+  constexpr std::size_t kGrain = 16;  // rows per task: whole row blocks (and whole register tiles)
+  const std::size_t n_tasks = (w.rows + kGrain - 1) / kGrain;
+#if defined(__AVX512BF16__)
+  if (bulk && path.fast_float && w.type == DType::BF16) {
+    assert(path.xq.size() >= m * w.cols * sizeof(uint16_t));
+    uint16_t* xb = reinterpret_cast<uint16_t*>(path.xq.data());
+    pool.parallel_for(m, [&](std::size_t b, std::size_t e, unsigned) {
+      gemm::round_activations(x + b * w.cols, (e - b) * w.cols, xb + b * w.cols);
+    });
+    pool.parallel_for(n_tasks, [&](std::size_t b, std::size_t e, unsigned) {
+      gemm::matmul_rows_bf16(w, xb, m, y, b * kGrain, std::min(e * kGrain, w.rows));
+    });
+    return;
+  }
+#endif
 #if PP_HAVE_AMX
   if (bulk && amx::applies(w)) return matmul_amx<A>(pool, w, x, m, y);
 #endif
-  constexpr std::size_t kGrain = 16;  // rows per task: whole row blocks
-  const std::size_t n_tasks = (w.rows + kGrain - 1) / kGrain;
+  if (bulk && gemm::applies(w)) {
+    pool.parallel_for(n_tasks, [&](std::size_t b, std::size_t e, unsigned) {
+      gemm::matmul_rows<A>(w, x, m, y, b * kGrain, std::min(e * kGrain, w.rows));
+    });
+    return;
+  }
   pool.parallel_for(n_tasks, [&](std::size_t b, std::size_t e, unsigned) {
     matmul_rows<A>(w, x, m, y, b * kGrain, std::min(e * kGrain, w.rows), xq);
   });

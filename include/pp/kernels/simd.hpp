@@ -129,6 +129,24 @@ inline fbatch<A> load(F16w, const uint16_t* p) {
   return fbatch<A>(widen_f16(p, A{}));
 }
 
+// ---- bf16 dot products (AVX512-BF16: Zen 4/5, Cooper Lake, Sapphire Rapids): the fast path of BF16
+// weights, activations rounded to bf16 as llama.cpp rounds them. vdpbf16ps sums 32 bf16 products per
+// instruction into 16 f32 lanes (two products a lane), twice the products of an f32 FMA. ----
+#if defined(__AVX512BF16__)
+inline constexpr bool kHaveBf16Dot = true;
+struct Bf16Dot {
+  static constexpr std::size_t kElems = 32;  // bf16 elements of k per instruction
+  using Acc = __m512;
+  using Vec = __m512i;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Vec load(const uint16_t* p) { return _mm512_loadu_si512(p); }
+  static Acc dot(Acc acc, Vec w, Vec x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
+  static float sum(Acc acc) { return _mm512_reduce_add_ps(acc); }
+};
+#else
+inline constexpr bool kHaveBf16Dot = false;
+#endif
+
 // Scalar widening for loop tails.
 inline float load1(F32w, const float* p) { return *p; }
 inline float load1(Bf16w, const uint16_t* p) { return bf16_to_f32(*p); }

@@ -88,12 +88,13 @@ inline void attention(const Config& c, std::span<const Segment> segs, std::size_
 // x[m, n_embd] (the chunk's rows, described by `segs`) through block `layer` (index within the stage's
 // caches). s.cos / s.sin hold each row's RoPE table, s.row_seg each row's segment. Appends every
 // segment's keys and values to its sequence's ring.
-// fast_quant: quantized weights take the fast path (int8 activations, see kernels/quant.hpp).
+// fast_quant: quantized weights take the fast path (int8 activations, see kernels/quant.hpp);
+// fast_float: BF16 weights in prompts take the bf16-dot fast path (kernels/gemm.hpp).
 inline void block_forward(const Config& c, const llama::BlockTensors& w, std::span<const Segment> segs,
                           std::size_t layer, std::size_t m, float* x, Scratch& s, ThreadPool& pool,
-                          bool fast_quant = false) {
+                          bool fast_quant = false, bool fast_float = false) {
   const std::size_t E = c.n_embd, hp = c.head_dim / 2;
-  const kernels::QuantPath qp{fast_quant, s.xq.span()};
+  const kernels::QuantPath qp{fast_quant, s.xq.span(), fast_float};
 
   // Attention: norm, project, rotate, attend, project back, residual.
   // Row-wise steps run across the pool too (a prefill chunk's rows; one row runs inline).

@@ -4,7 +4,7 @@
 
 #include <pp/core/anonymous_region.hpp>
 #include <pp/kernels/attention.hpp>
-#include <pp/kernels/quant.hpp>
+#include <pp/kernels/matmul.hpp>
 #include <pp/model/config.hpp>
 
 #include <algorithm>
@@ -21,7 +21,7 @@ struct Scratch {
         gate(max_rows * c.n_ff), up(max_rows * c.n_ff), cos(max_rows * c.head_dim / 2),
         sin(max_rows * c.head_dim / 2), row_seg(max_rows), scores_stride((kv_capacity + 15) / 16 * 16 + kernels::kAttnPad),
         scores(std::size_t(n_threads) * scores_stride * (c.n_head / c.n_head_kv)),
-        xq(max_rows * quant::act_row_bytes_bound(std::max({c.n_embd, c.q_dim(), c.n_ff}))) {}
+        xq(max_rows * kernels::xq_row_bytes(std::max({c.n_embd, c.q_dim(), c.n_ff}))) {}
 
   std::size_t max_rows = 0;
   LazyArray<float> xn;        // [rows, n_embd] normed input
@@ -36,7 +36,7 @@ struct Scratch {
   LazyArray<uint32_t> row_seg;  // [rows] index of each row's segment in the chunk
   std::size_t scores_stride = 0;
   LazyArray<float> scores;    // [n_threads, group, scores_stride] attention weights of each thread's query heads
-  LazyArray<uint8_t> xq;      // [rows, act_row_bytes] a matmul's input quantized to int8 blocks (fast path)
+  LazyArray<uint8_t> xq;      // [rows, xq_row_bytes] a matmul's input as int8 blocks or bf16 (fast paths)
 };
 
 }  // namespace pp

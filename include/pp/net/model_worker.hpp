@@ -52,7 +52,7 @@ inline Millis reply_wait(Millis timeout, std::size_t hops_below) {
   return timeout + kHopSlack * static_cast<int64_t>(hops_below > 0 ? hops_below - 1 : 0);
 }
 
-inline NumericProfile local_profile(unsigned threads) { return NumericProfile{simd::Best::name(), threads}; }
+inline NumericProfile local_profile(const Stage& s) { return NumericProfile{s.kernel_profile(), s.threads()}; }
 
 // Sessions a worker keeps at once (--max-sessions): each holds a KV cache of up to
 // max_ctx x layers x kv_dim x 8 bytes, so this and --max-ctx bound a worker's memory.
@@ -307,7 +307,7 @@ class ModelWorker {
       s.stage = stage_for(s.range, s.ctx);
       Welcome w;
       w.mux = hello.mux;
-      w.stages.push_back(StageReport{hello.stage, s.range, local_profile(s.stage->threads()), s.ctx,
+      w.stages.push_back(StageReport{hello.stage, s.range, local_profile(*s.stage), s.ctx,
                                      s.stage->bytes_used(), hello.chain.front().peer.str()});
       if (s.next) {
         const Welcome below = s.next->read_welcome(reply_wait(load_wait, hello.chain.size() - 1));
