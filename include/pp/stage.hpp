@@ -59,7 +59,7 @@ struct StageOptions {
   // and the CPU's bf16 dot (AVX512-BF16), llama.cpp's numerics, or false for the exact path (f32
   // activations, within 1e-3 of float64). Unset: kernels::fast_float_default(), fast where the bf16 dot
   // exists and AMX does not. Decode steps, and other weight types, ignore it.
-  std::optional<bool> fast_float;
+  std::optional<bool> fast_float = std::nullopt;
   // Anonymous by default: decode streams the weights ~1.4x faster from anonymous huge pages than from
   // the file mapping here (docs/PERFORMANCE.md). Mapped shares the page cache between processes.
   Residency residency = Residency::Anonymous;
