@@ -104,10 +104,15 @@ class Stage {
   unsigned threads() const { return pool_->size(); }
   // Whether BF16 weights in prompts take the bf16-dot fast path here (StageOptions::fast_float).
   bool fast_float() const { return fast_float_; }
-  // The kernels this stage computes with, as the handshake reports them: the SIMD target, plus the
-  // prompt path of BF16 weights when it is the fast one (results then differ from an exact end).
+  // The kernels this stage computes with, as the handshake reports them: the SIMD target, plus
+  // "+bf16dot" when this stage's BF16 blocks take the fast path in prompts (results then differ from an
+  // exact end's).
   std::string kernel_profile() const {
-    return std::string(simd::Best::name()) + (fast_float_ ? "+bf16dot" : "");
+    bool bf16 = false;
+    for (const llama::BlockTensors& b : blocks_)
+      for (const MatView* m : {&b.wq, &b.wk, &b.wv, &b.wo, &b.w_gate, &b.w_up, &b.w_down})
+        bf16 = bf16 || m->type == DType::BF16;
+    return std::string(simd::Best::name()) + (fast_float_ && bf16 ? "+bf16dot" : "");
   }
   const gguf::File& gguf() const { return gguf_; }
   const MappedFile& file() const { return file_; }
@@ -191,8 +196,10 @@ class Stage {
       for (std::size_t i = 0; i < m; ++i)
         kernels::rmsnorm(rows + (c0 + i) * cfg_.n_embd, out_norm_, cfg_.rms_eps, cfg_.n_embd,
                          s.xn.data() + i * cfg_.n_embd);
+      // Never bulk: a row's logits must not depend on how many rows a caller asks for at once (a
+      // prompt's last row, all of them for --logits-out, one row per sequence of a decoding batch).
       kernels::matmul(*pool_, output_, s.xn.data(), m, logits + c0 * cfg_.n_vocab, {fast_quant_, s.xq.span(), fast_float_},
-                      n >= kernels::kBulkRows);
+                      /*bulk=*/false);
     }
   }
 
