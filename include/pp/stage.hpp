@@ -105,13 +105,13 @@ class Stage {
   // Whether BF16 weights in prompts take the bf16-dot fast path here (StageOptions::fast_float).
   bool fast_float() const { return fast_float_; }
   // The kernels this stage computes with, as the handshake reports them: the SIMD target, plus
-  // "+bf16dot" when this stage's BF16 blocks take the fast path in prompts (results then differ from an
-  // exact end's).
+  // "+bf16dot" when prompts take the fast path and the model has BF16 blocks (results then differ from
+  // an exact end's). It follows the file, not this stage's range, so every stage of one model with the
+  // same settings reports the same profile.
   std::string kernel_profile() const {
     bool bf16 = false;
-    for (const llama::BlockTensors& b : blocks_)
-      for (const MatView* m : {&b.wq, &b.wk, &b.wv, &b.wo, &b.w_gate, &b.w_up, &b.w_down})
-        bf16 = bf16 || m->type == DType::BF16;
+    for (const gguf::TensorInfo& t : gguf_.tensors)
+      bf16 = bf16 || (t.name.starts_with("blk.") && t.type == gguf::TensorType::BF16);
     return std::string(simd::Best::name()) + (fast_float_ && bf16 ? "+bf16dot" : "");
   }
   const gguf::File& gguf() const { return gguf_; }

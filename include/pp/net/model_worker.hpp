@@ -332,9 +332,10 @@ class ModelWorker {
     }
     log(s.name() + " opened from " + up.peer().str() +
         (s.next ? ", next hop " + s.next->who() : ", last stage") + " (" + std::to_string(now) + " active)");
-    if (!hello.coordinator.arch.empty() && hello.coordinator.arch != simd::Best::name())
-      log(s.name() + ": the coordinator's kernels are " + hello.coordinator.arch + ", this worker's " +
-          simd::Best::name() + ": its byte-identity check is not expected to pass");
+    if (const std::string mine = s.stage->kernel_profile();
+        !hello.coordinator.arch.empty() && hello.coordinator.arch != mine)
+      log(s.name() + ": the coordinator's kernels are " + hello.coordinator.arch + ", this worker's " + mine +
+          ": its byte-identity check is not expected to pass");
     ModelHeader r = m;
     r.type = kTypeWelcome;
     send_model_text(up, r, welcome_text);
