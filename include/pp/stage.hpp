@@ -108,12 +108,7 @@ class Stage {
   // "+bf16dot" when prompts take the fast path and the model has BF16 blocks (results then differ from
   // an exact end's). It follows the file, not this stage's range, so every stage of one model with the
   // same settings reports the same profile.
-  std::string kernel_profile() const {
-    bool bf16 = false;
-    for (const gguf::TensorInfo& t : gguf_.tensors)
-      bf16 = bf16 || (t.name.starts_with("blk.") && t.type == gguf::TensorType::BF16);
-    return std::string(simd::Best::name()) + (fast_float_ && bf16 ? "+bf16dot" : "");
-  }
+  const std::string& kernel_profile() const { return kernel_profile_; }
   const gguf::File& gguf() const { return gguf_; }
   const MappedFile& file() const { return file_; }
   // Bytes of the tensors this stage reads (its share of the file).
@@ -225,6 +220,10 @@ class Stage {
     max_rows_ = std::max<std::size_t>(1, std::min(opt.max_rows, ctx_));
     fast_quant_ = opt.fast_quant;
     fast_float_ = opt.fast_float.value_or(kernels::fast_float_default()) && kernels::gemm::kHaveFastBf16;
+    bool bf16_blocks = false;
+    for (const gguf::TensorInfo& t : gguf_.tensors)
+      bf16_blocks = bf16_blocks || (t.name.starts_with("blk.") && t.type == gguf::TensorType::BF16);
+    kernel_profile_ = std::string(simd::Best::name()) + (fast_float_ && bf16_blocks ? "+bf16dot" : "");
     pool_ = std::make_unique<ThreadPool>(opt.threads);
     rope_ = Rope(cfg_.head_dim, cfg_.rope_base, llama::rope_freq_factors(gguf_, cfg_));
 
@@ -299,6 +298,7 @@ class Stage {
   std::size_t ctx_ = 0, max_rows_ = 32, bytes_used_ = 0;
   bool fast_quant_ = false;
   bool fast_float_ = false;
+  std::string kernel_profile_;  // see kernel_profile()
   std::unique_ptr<ThreadPool> pool_;
   Rope rope_;
   AnonymousRegion resident_;  // the weights' copy under Residency::Anonymous
