@@ -243,8 +243,8 @@ TEST(Matmul, DispatchedHalfPathsMatchOracleAndAreBatchInvariant) {
 }  // namespace
 
 namespace {
-// The vector tile kernel of bulk requests (gemm.hpp) on every compiled-in architecture: every edge of
-// the register tile (1-4 rows, 1-6 tokens), k with and without a scalar tail, several token chunks; each
+// The vector tile kernel of bulk requests (gemm.hpp) on every compiled-in architecture: full and last
+// row blocks (12 or 6 rows a tile), full and partial token blocks, odd and even k, several token chunks; each
 // (row, token) result within f32 rounding of a float64 oracle and bit-identical whatever the number of
 // tokens computed with it and whatever the row range a task was given.
 TEST(Gemm, EveryTypeAndArchAgainstOracleAndShapeInvariant) {
@@ -253,7 +253,7 @@ TEST(Gemm, EveryTypeAndArchAgainstOracleAndShapeInvariant) {
     for (std::size_t cols : {16, 37, 64, 200, 2048})
       for (std::size_t rows : {1, 3, 4, 9, 23}) {
         const Stored w = store(type, randv(rows * cols, rng));
-        const std::size_t m = cols == 2048 ? 70 : 13;  // 2048: several 384 KiB token chunks
+        const std::size_t m = cols == 2048 ? 70 : 13;  // 2048: several token chunks (gemm::kChunkBytes)
         const std::vector<float> x = randv(m * cols, rng, 2.f);
         pp::MatView mv{type, w.bytes.data(), rows, cols, pp::row_bytes(type, cols)};
         for_each_arch([&](auto a) {
@@ -286,29 +286,29 @@ TEST(Gemm, EveryTypeAndArchAgainstOracleAndShapeInvariant) {
 
 namespace {
 // The fast path of BF16 weights (gemm.hpp, AVX512-BF16): against a float64 oracle on the bf16-rounded
-// activations (products of two bf16 are exact in f32, so only the f32 sums round), every tile edge, k
-// with and without a tail; bit-identical whatever the token count and the row range of a task; and
+// activations (products of two bf16 are exact in f32, so only the f32 sums round), full and last row
+// blocks, partial token blocks, odd k (a last pair with a zero partner), several token chunks; bit-identical whatever the token count and the row range of a task; and
 // through kernels::matmul for bulk rows with fast_float, independent of the thread count.
 TEST(GemmFastBf16, AgainstOracleOnRoundedActivationsAndShapeInvariant) {
   if (!pp::kernels::gemm::kHaveFastBf16) GTEST_SKIP() << "no AVX512-BF16 in this build";
 #if defined(__AVX512BF16__)
   std::mt19937 rng(9);
-  for (std::size_t cols : {32, 40, 64, 200, 2048})
+  for (std::size_t cols : {32, 37, 64, 201, 2048})
     for (std::size_t rows : {1, 3, 4, 9, 23}) {
       const Stored w = store(pp::DType::BF16, randv(rows * cols, rng));
-      const std::size_t m = cols == 2048 ? 100 : 13;
+      const std::size_t m = cols == 2048 ? 140 : 13;  // 2048: several token chunks
       const std::vector<float> x = randv(m * cols, rng, 2.f);
       std::vector<uint16_t> xb(m * cols);
-      pp::kernels::gemm::round_activations(x.data(), x.size(), xb.data());
+      for (std::size_t i = 0; i < x.size(); ++i) xb[i] = pp::f32_to_bf16(x[i]);
       pp::MatView mv{pp::DType::BF16, w.bytes.data(), rows, cols, cols * 2};
       std::vector<float> y(m * rows, NAN), y1(rows, NAN), ysplit(m * rows, NAN);
-      pp::kernels::gemm::matmul_rows_bf16(mv, xb.data(), m, y.data(), 0, rows);
+      pp::kernels::gemm::matmul_rows<pp::simd::Best>(mv, x.data(), m, y.data(), 0, rows, true);
       const std::size_t cut = rows / 2 + (rows > 4 ? 1 : 0);
-      pp::kernels::gemm::matmul_rows_bf16(mv, xb.data(), m, ysplit.data(), 0, cut);
-      pp::kernels::gemm::matmul_rows_bf16(mv, xb.data(), m, ysplit.data(), cut, rows);
+      pp::kernels::gemm::matmul_rows<pp::simd::Best>(mv, x.data(), m, ysplit.data(), 0, cut, true);
+      pp::kernels::gemm::matmul_rows<pp::simd::Best>(mv, x.data(), m, ysplit.data(), cut, rows, true);
       EXPECT_EQ(y, ysplit);
       for (std::size_t i = 0; i < m; ++i) {
-        pp::kernels::gemm::matmul_rows_bf16(mv, xb.data() + i * cols, 1, y1.data(), 0, rows);
+        pp::kernels::gemm::matmul_rows<pp::simd::Best>(mv, x.data() + i * cols, 1, y1.data(), 0, rows, true);
         for (std::size_t r = 0; r < rows; ++r) {
           ASSERT_EQ(std::bit_cast<uint32_t>(y1[r]), std::bit_cast<uint32_t>(y[i * rows + r])) << r << " " << i;
           double want = 0, mag = 0;

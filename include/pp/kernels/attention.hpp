@@ -39,8 +39,8 @@ inline void attn_scores(const float* q, std::size_t group, std::size_t hd, const
         for (std::size_t h = 0; h < H; ++h)
           if (h < hn) {
             const B qd(qh[h * hd + d]);
-            acc[h][0] = xsimd::fma(qd, k0, acc[h][0]);
-            acc[h][1] = xsimd::fma(qd, k1, acc[h][1]);
+            acc[h][0] = simd::fma(qd, k0, acc[h][0]);
+            acc[h][1] = simd::fma(qd, k1, acc[h][1]);
           }
       }
       for (std::size_t h = 0; h < hn; ++h) {
@@ -77,7 +77,7 @@ inline void attn_values(const float* w, std::size_t ws, std::size_t group, std::
           if (h < hn) {
             const B p(w[(h0 + h) * ws + j]);
             for (std::size_t c = 0; c < V; ++c)
-              if (c < vn) acc[h][c] = xsimd::fma(p, x[c], acc[h][c]);
+              if (c < vn) acc[h][c] = simd::fma(p, x[c], acc[h][c]);
           }
       }
       for (std::size_t h = 0; h < hn; ++h)

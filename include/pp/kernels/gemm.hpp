@@ -1,190 +1,303 @@
-// Bulk matrix products (prompts) against F32 / F16 / BF16 weights on the vector units: the tile kernel
-// of CPUs without AMX.
+// Bulk matrix products (prompts) against F32 / F16 / BF16 weights on the vector units: the GEMM of
+// CPUs without AMX.
 //
-// A register tile holds R weight rows x T tokens of accumulators. Each step over k loads T activation
-// vectors and R weight vectors and does R*T FMAs, so every load feeds several FMAs (the 1-row dot
-// kernels of matmul.hpp do one FMA per activation load, which leaves a prompt load-bound). Tokens are
-// taken in chunks whose activations stay in L2 while all of a task's weight rows pass over them, and
-// the R rows of a tile stay in L1 while the chunk's tokens pass over them.
+// The activations are packed once per call, transposed into blocks of kBlockTokens tokens (PackedX):
+// for each k, the block's tokens side by side, so one vector load gives one k of V vectors of tokens.
+// A register tile is R weight rows x V token vectors of accumulators: each step over k loads the V
+// token vectors and broadcasts one weight per row straight from memory, R*V FMAs for V + R loads, and
+// no horizontal sums. The weights need no packing: F32 rows are read where they lie, F16 / BF16 rows
+// are widened to f32 once per row block and token chunk (a few % of the FMAs) into a buffer in L1/L2.
+// A row block stays in cache while every token block of a chunk passes over it; a chunk's packed
+// tokens stay in L2 (kChunkBytes).
 //
-// Numerics: each (row, token) dot is one chain of W-lane FMAs over k in order, a fixed horizontal sum,
-// then the scalar tail: the same operations whatever the tile shape, the chunking, the batch or the
-// thread, so bulk results never depend on those. They differ in the last bits from the decode kernels
-// (several accumulator chains per row), exactly as the AMX tiles do: a row's path depends only on the
-// size of its own request (kBulkRows).
+// The fast path of BF16 weights (AVX512-BF16, StageOptions::fast_float): the activations rounded to
+// bf16 as they are packed, in pairs of k (PackedX::pairs), and the tile's step is vdpbf16ps with one
+// weight pair broadcast per row, 32 products an instruction: llama.cpp's numerics for a BF16 matmul.
 //
-// The fast path of BF16 weights (AVX512-BF16 without AMX by default, StageOptions::fast_float): the
-// activations rounded to bf16 once per call, then the same tiles with vdpbf16ps, 32 products per
-// instruction: llama.cpp's numerics for a BF16 matmul, at about 2.3x the exact tiles.
+// Numerics: each (row, token) output is one chain over k in order (exact path: acc = fma(w_k, x_k, acc);
+// fast path: acc += w_k x_k + w_k+1 x_k+1 per pair) in its own lane: the same operations whatever the
+// tile, the row block, the token block, the chunk, the batch or the thread, so bulk results never
+// depend on those. They differ in the last bits from the decode kernels (several accumulator chains
+// per row), exactly as the AMX tiles do: a row's path depends only on the size of its own request
+// (kBulkRows).
 #pragma once
 
+#include <pp/core/buffer.hpp>
 #include <pp/core/dtype.hpp>
 #include <pp/core/float16.hpp>
+#include <pp/core/thread_pool.hpp>
 #include <pp/kernels/simd.hpp>
 
 #include <algorithm>
 #include <array>
-#include <cmath>
 #include <cstddef>
+#include <cstdint>
+#include <cstring>
 #include <utility>
 
 namespace pp::kernels::gemm {
 
-// Weight rows per register tile, and tokens: R*T accumulators + T activations + 1 weight vector must
-// fit the register file (32 zmm: 4 x 6; 16 ymm / xmm: 4 x 2).
-inline constexpr int kRows = 4;
+// Token vectors per register tile, and weight rows: R*V accumulators + V token vectors + 1 broadcast
+// must fit the register file (32 zmm: 12 x 2; 16 ymm / xmm: 6 x 2).
+inline constexpr int kVecs = 2;
 template <class A>
-inline constexpr int kTokens = simd::fbatch<A>::size >= 16 ? 6 : 2;
+inline constexpr int kRows = simd::fbatch<A>::size >= 16 ? 12 : 6;
+// Tokens per packed block: the V vectors of a tile. The same on every architecture of a build (the
+// widest one's), so that one packing serves them all; narrower tiles take a block in several passes.
+inline constexpr std::size_t kBlockTokens = kVecs * simd::fbatch<simd::Best>::size;
 
-// Activation bytes of one token chunk: well inside a core's L2 (1-2 MiB on current x86 server cores),
-// leaving room for the weights passing through.
-inline constexpr std::size_t kChunkBytes = 384 * 1024;
+// Packed token bytes per chunk: well inside a core's L2 (1-2 MiB on current x86 server cores), leaving
+// room for the row block and the weights passing through.
+inline constexpr std::size_t kChunkBytes = 512 * 1024;
 
-// y[t * ys + r] = dot(w row r, x row t) for r < R, t < T; w rows `w_stride` bytes apart, x rows n apart.
-template <class A, class WT, int R, int T>
-inline void tile(const uint8_t* w, std::size_t w_stride, const float* x, std::size_t n, float* y, std::size_t ys) {
-  using S = typename WT::storage;
-  using B = simd::fbatch<A>;
-  constexpr std::size_t W = B::size;
-  const S* wr[R];
-  for (int r = 0; r < R; ++r) wr[r] = reinterpret_cast<const S*>(w + std::size_t(r) * w_stride);
-  B acc[R][T];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) acc[r][t] = B(0.f);
-  std::size_t i = 0;
-  for (; i + W <= n; i += W) {
-    B xt[T];
-    for (int t = 0; t < T; ++t) xt[t] = B::load_unaligned(x + std::size_t(t) * n + i);
-    for (int r = 0; r < R; ++r) {
-      const B wv = simd::load<A>(WT{}, wr[r] + i);
-      for (int t = 0; t < T; ++t) acc[r][t] = xsimd::fma(wv, xt[t], acc[r][t]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) {
-      float s = xsimd::hadd(acc[r][t]);
-      for (std::size_t j = i; j < n; ++j) s = std::fma(simd::load1(WT{}, wr[r] + j), x[std::size_t(t) * n + j], s);
-      y[std::size_t(t) * ys + std::size_t(r)] = s;
-    }
-}
+// x [m, k] transposed into blocks of kBlockTokens tokens: f32 [block][k][token], or, for the fast BF16
+// path (pairs), u32 [block][ceil(k / 2)][token] holding (x_2j, x_2j+1) rounded to bf16, low half first;
+// tokens past m and the odd k's missing partner are zero.
+struct PackedX {
+  Buffer<uint32_t> data;
+  std::size_t m = 0, k = 0;
+  bool pairs = false;
+  std::size_t steps() const { return pairs ? (k + 1) / 2 : k; }  // 32-bit words of a token over k
+  std::size_t blocks() const { return (m + kBlockTokens - 1) / kBlockTokens; }
+  const uint32_t* block(std::size_t b) const { return data.data() + b * steps() * kBlockTokens; }
+};
 
-#if defined(__AVX512BF16__)
-// The fast path of BF16 weights: xb holds the activations rounded to bf16 (round_activations); each
-// (row, token) dot is one chain of vdpbf16ps over k, a fixed horizontal sum, then the scalar tail.
-template <int R, int T>
-inline void tile_bf16(const uint8_t* w, std::size_t w_stride, const uint16_t* xb, std::size_t n, float* y,
-                      std::size_t ys) {
-  using D = simd::Bf16Dot;
-  const uint16_t* wr[R];
-  for (int r = 0; r < R; ++r) wr[r] = reinterpret_cast<const uint16_t*>(w + std::size_t(r) * w_stride);
-  D::Acc acc[R][T];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) acc[r][t] = D::zero();
-  std::size_t i = 0;
-  for (; i + D::kElems <= n; i += D::kElems) {
-    D::Vec xt[T];
-    for (int t = 0; t < T; ++t) xt[t] = D::load(xb + std::size_t(t) * n + i);
-    for (int r = 0; r < R; ++r) {
-      const D::Vec wv = D::load(wr[r] + i);
-      for (int t = 0; t < T; ++t) acc[r][t] = D::dot(acc[r][t], wv, xt[t]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < T; ++t) {
-      float s = D::sum(acc[r][t]);
-      for (std::size_t j = i; j < n; ++j) s = std::fma(bf16_to_f32(wr[r][j]), bf16_to_f32(xb[std::size_t(t) * n + j]), s);
-      y[std::size_t(t) * ys + std::size_t(r)] = s;
-    }
-}
-#endif
-
-namespace detail {
-
-using TileFn = void (*)(const uint8_t*, std::size_t, const float*, std::size_t, float*, std::size_t);
-
-// kTable[R - 1][T - 1]: the tile for a block of R rows and T tokens (full tiles and the edges).
-template <class A, class WT, int R, int... T>
-constexpr std::array<TileFn, sizeof...(T)> tokens_row(std::integer_sequence<int, T...>) {
-  return {&tile<A, WT, R, T + 1>...};
-}
-template <class A, class WT, int... R>
-constexpr auto table(std::integer_sequence<int, R...>) {
-  return std::array<std::array<TileFn, kTokens<A>>, sizeof...(R)>{
-      tokens_row<A, WT, R + 1>(std::make_integer_sequence<int, kTokens<A>>{})...};
-}
-template <class A, class WT>
-inline constexpr auto kTable = table<A, WT>(std::make_integer_sequence<int, kRows>{});
-
-#if defined(__AVX512BF16__)
-inline constexpr int kBf16Tokens = 6;
-using Bf16TileFn = void (*)(const uint8_t*, std::size_t, const uint16_t*, std::size_t, float*, std::size_t);
-template <int R, int... T>
-constexpr std::array<Bf16TileFn, sizeof...(T)> bf16_tokens_row(std::integer_sequence<int, T...>) {
-  return {&tile_bf16<R, T + 1>...};
-}
-template <int... R>
-constexpr auto bf16_table(std::integer_sequence<int, R...>) {
-  return std::array<std::array<Bf16TileFn, kBf16Tokens>, sizeof...(R)>{
-      bf16_tokens_row<R + 1>(std::make_integer_sequence<int, kBf16Tokens>{})...};
-}
-inline constexpr auto kBf16Table = bf16_table(std::make_integer_sequence<int, kRows>{});
-#endif
-
-}  // namespace detail
-
-// Runs table[rows - 1][tokens - 1] over every tile of y[m, w.rows] rows [r0, r1): tokens in chunks of
-// about kChunkBytes of activations (x rows of `elem` bytes), a chunk's tiles row block by row block.
-template <std::size_t T, class Table, class X>
-inline void for_each_tile(const Table& table, const MatView& w, const X* x, std::size_t m, float* y, std::size_t r0,
-                          std::size_t r1) {
-  constexpr std::size_t R = kRows;
-  const std::size_t n = w.cols, ys = w.rows;
-  const std::size_t chunk = std::max<std::size_t>(T, kChunkBytes / (n * sizeof(X)) / T * T);
-  for (std::size_t t0 = 0; t0 < m; t0 += chunk) {
-    const std::size_t t1 = std::min(m, t0 + chunk);
-    for (std::size_t rb = r0; rb < r1; rb += R) {
-      const std::size_t rn = std::min(R, r1 - rb);
-      for (std::size_t t = t0; t < t1; t += T) {
-        const std::size_t tn = std::min(T, t1 - t);
-        table[rn - 1][tn - 1](w.row(rb), w.row_stride, x + t * n, n, y + t * ys + rb, ys);
+// Packs the tokens of blocks [b0, b1) (see PackedX).
+inline void pack_blocks(const float* x, PackedX& p, std::size_t b0, std::size_t b1) {
+  constexpr std::size_t TB = kBlockTokens;
+  const std::size_t k = p.k, steps = p.steps();
+  for (std::size_t b = b0; b < b1; ++b) {
+    uint32_t* out = p.data.data() + b * steps * TB;
+    for (std::size_t l = 0; l < TB; ++l) {
+      const std::size_t t = b * TB + l;
+      if (t >= p.m) {
+        for (std::size_t s = 0; s < steps; ++s) out[s * TB + l] = 0;
+        continue;
+      }
+      const float* xr = x + t * k;
+      if (p.pairs) {
+        for (std::size_t s = 0; s < k / 2; ++s)
+          out[s * TB + l] = uint32_t(f32_to_bf16(xr[2 * s])) | uint32_t(f32_to_bf16(xr[2 * s + 1])) << 16;
+        if (k % 2) out[(k / 2) * TB + l] = f32_to_bf16(xr[k - 1]);
+      } else {
+        for (std::size_t s = 0; s < k; ++s) std::memcpy(out + s * TB + l, xr + s, 4);
       }
     }
   }
 }
 
-// y[m, w.rows] (rows [r0, r1) only) = x[m, w.cols] * w^T, for float weights of type WT.
-template <class A, class WT>
-inline void matmul_rows_typed(const MatView& w, const float* x, std::size_t m, float* y, std::size_t r0,
-                              std::size_t r1) {
-  for_each_tile<kTokens<A>>(detail::kTable<A, WT>, w, x, m, y, r0, r1);
+// Sizes p for x [m, k] (growing its buffer to the largest call so far); pack_blocks then fills it.
+inline void prepare(PackedX& p, std::size_t m, std::size_t k, bool pairs) {
+  p.m = m, p.k = k, p.pairs = pairs;
+  const std::size_t words = p.blocks() * p.steps() * kBlockTokens;
+  if (p.data.size() < words) p.data = Buffer<uint32_t>(words);
 }
 
-template <class A>
-inline void matmul_rows(const MatView& w, const float* x, std::size_t m, float* y, std::size_t r0, std::size_t r1) {
-  switch (w.type) {
-    case DType::F32: return matmul_rows_typed<A, simd::F32w>(w, x, m, y, r0, r1);
-    case DType::F16: return matmul_rows_typed<A, simd::F16w>(w, x, m, y, r0, r1);
-    case DType::BF16: return matmul_rows_typed<A, simd::Bf16w>(w, x, m, y, r0, r1);
-    default: return;
+inline void pack(const float* x, std::size_t m, std::size_t k, bool pairs, PackedX& p) {
+  prepare(p, m, k, pairs);
+  pack_blocks(x, p, 0, p.blocks());
+}
+
+// The weights of a row block as the exact tile reads them: f32, in panels of kPanelK values of k, a
+// panel holding the block's R rows one after another ([k / kPanelK][R][kPanelK], the last panel zero-
+// padded): every step of the tile reads within one panel, a single stream through L1.
+inline constexpr std::size_t kPanelK = 16;
+
+// out[r * TB + t] = dot(weight row r, token t of xt) for r < R and the V * W tokens of a tile (xt and out
+// point at the tile's first token in a block of TB); w: the row block's panels.
+template <class A, int R>
+inline void tile(const float* w, const float* xt, std::size_t k, float* out) {
+  using B = simd::fbatch<A>;
+  constexpr std::size_t W = B::size, TB = kBlockTokens;
+  B acc[R][kVecs];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVecs; ++v) acc[r][v] = B(0.f);
+  auto step = [&](const float* panel, std::size_t s, std::size_t j) {
+    B xv[kVecs];
+    for (int v = 0; v < kVecs; ++v) xv[v] = B::load_aligned(xt + s * TB + v * W);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const B wb(panel[std::size_t(r) * kPanelK + j]);
+      for (int v = 0; v < kVecs; ++v) acc[r][v] = simd::fma(wb, xv[v], acc[r][v]);
+    }
+  };
+  std::size_t s0 = 0;
+  for (; s0 + kPanelK <= k; s0 += kPanelK)
+    for (std::size_t j = 0; j < kPanelK; ++j) step(w + s0 * R, s0 + j, j);
+  for (std::size_t j = 0; s0 + j < k; ++j) step(w + s0 * R, s0 + j, j);
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVecs; ++v) acc[r][v].store_aligned(out + std::size_t(r) * TB + v * W);
+}
+
+#if defined(__AVX512BF16__)
+// The fast path's tile: xt packed in pairs, w R rows of bf16 `ws` elements apart, k elements each.
+template <int R>
+inline void tile_bf16(const uint16_t* w, std::size_t ws, const uint32_t* xt, std::size_t k, float* out) {
+  using D = simd::Bf16Dot;
+  static_assert(kBlockTokens == 2 * 16);
+  constexpr std::size_t TB = kBlockTokens;
+  D::Acc acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = D::zero();
+  auto step = [&](std::size_t s, auto&& weight_pair) {
+    const D::Vec x0 = D::load(xt + s * TB), x1 = D::load(xt + s * TB + 16);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const D::Vec wb = D::broadcast_pair(weight_pair(r));
+      acc[r][0] = D::dot(acc[r][0], wb, x0);
+      acc[r][1] = D::dot(acc[r][1], wb, x1);
+    }
+  };
+  std::size_t s = 0;
+  for (; s < k / 2; ++s)
+    step(s, [&](int r) {
+      uint32_t p;
+      std::memcpy(&p, w + std::size_t(r) * ws + 2 * s, 4);
+      return p;
+    });
+  if (k % 2) step(s, [&](int r) { return uint32_t(w[std::size_t(r) * ws + k - 1]); });  // partner 0
+  for (int r = 0; r < R; ++r) {
+    D::store(out + std::size_t(r) * TB, acc[r][0]);
+    D::store(out + std::size_t(r) * TB + 16, acc[r][1]);
   }
+}
+#endif
+
+namespace detail {
+
+using TileFn = void (*)(const float*, const float*, std::size_t, float*);
+
+// kTable[R - 1]: the tile for a block of R rows (full blocks and the last one).
+template <class A, int... R>
+constexpr auto table(std::integer_sequence<int, R...>) {
+  return std::array<TileFn, sizeof...(R)>{&tile<A, R + 1>...};
+}
+template <class A>
+inline constexpr auto kTable = table<A>(std::make_integer_sequence<int, kRows<A>>{});
+
+#if defined(__AVX512BF16__)
+using Bf16TileFn = void (*)(const uint16_t*, std::size_t, const uint32_t*, std::size_t, float*);
+template <int... R>
+constexpr auto bf16_table(std::integer_sequence<int, R...>) {
+  return std::array<Bf16TileFn, sizeof...(R)>{&tile_bf16<R + 1>...};
+}
+inline constexpr auto kBf16Table = bf16_table(std::make_integer_sequence<int, 12>{});
+#endif
+
+// Tile results out[r * TB + t] (rn rows, tn tokens) into y[t * ys + r]: transposed in L1 first, then
+// one contiguous run of rows per token (scattering single floats across token rows a power of two
+// apart thrashes one cache set).
+template <int RMax>
+inline void store_tile(const float* out, std::size_t rn, std::size_t tn, float* y, std::size_t ys) {
+  constexpr std::size_t TB = kBlockTokens;
+  alignas(64) float tr[TB * RMax];
+  for (std::size_t r = 0; r < rn; ++r)
+    for (std::size_t t = 0; t < TB; ++t) tr[t * RMax + r] = out[r * TB + t];
+  for (std::size_t t = 0; t < tn; ++t) std::memcpy(y + t * ys, tr + t * RMax, rn * sizeof(float));
+}
+
+// Scratch of the calling thread: one row block's weights widened to f32, one tile's results.
+struct Scratch {
+  Buffer<float> rows;
+  alignas(64) float out[kBlockTokens * 16];
+};
+inline Scratch& scratch() {
+  static thread_local Scratch s;
+  return s;
+}
+
+}  // namespace detail
+
+// Element j of a float weight row as f32.
+inline float element(DType t, const uint8_t* row, std::size_t j) {
+  switch (t) {
+    case DType::BF16: return bf16_to_f32(reinterpret_cast<const uint16_t*>(row)[j]);
+    case DType::F16: return f16_to_f32(reinterpret_cast<const uint16_t*>(row)[j]);
+    default: return reinterpret_cast<const float*>(row)[j];
+  }
+}
+
+// Runs `run(rb, rn, block)` over the (row block, token block) pairs of rows [r0, r1): token chunks of
+// about kChunkBytes of packed x, a chunk's blocks row block by row block; `widen(rb, rn)` first for
+// each row block of a chunk.
+template <int R, class Widen, class Run>
+inline void for_each_tile(const PackedX& x, std::size_t r0, std::size_t r1, Widen&& widen, Run&& run) {
+  const std::size_t block_bytes = x.steps() * kBlockTokens * 4;
+  const std::size_t chunk = std::max<std::size_t>(1, kChunkBytes / block_bytes);  // token blocks
+  for (std::size_t c0 = 0; c0 < x.blocks(); c0 += chunk) {
+    const std::size_t c1 = std::min(x.blocks(), c0 + chunk);
+    for (std::size_t rb = r0; rb < r1; rb += R) {
+      const std::size_t rn = std::min<std::size_t>(R, r1 - rb);
+      widen(rb, rn);
+      for (std::size_t b = c0; b < c1; ++b) run(rb, rn, b);
+    }
+  }
+}
+
+// y[m, w.rows] (rows [r0, r1) only) = x * w^T for float weights, x packed by pack(..., pairs = false).
+template <class A>
+inline void matmul_packed(const MatView& w, const PackedX& x, float* y, std::size_t r0, std::size_t r1) {
+  constexpr std::size_t TB = kBlockTokens, W = simd::fbatch<A>::size;
+  constexpr int R = kRows<A>;
+  const std::size_t k = w.cols, ys = w.rows;
+  const std::size_t kp = (k + kPanelK - 1) / kPanelK * kPanelK;
+  detail::Scratch& s = detail::scratch();
+  if (s.rows.size() < R * kp) s.rows = Buffer<float>(R * kp);
+  auto widen = [&](std::size_t rb, std::size_t rn) {
+    for (std::size_t r = 0; r < rn; ++r) {
+      const uint8_t* src = w.row(rb + r);
+      for (std::size_t s0 = 0; s0 < kp; s0 += kPanelK) {
+        float* dst = s.rows.data() + s0 * rn + r * kPanelK;
+        if (s0 + kPanelK <= k) {
+          for (std::size_t j = 0; j < kPanelK; j += W) {
+            switch (w.type) {
+              case DType::BF16: simd::load<A>(simd::Bf16w{}, reinterpret_cast<const uint16_t*>(src) + s0 + j).store_aligned(dst + j); break;
+              case DType::F16: simd::load<A>(simd::F16w{}, reinterpret_cast<const uint16_t*>(src) + s0 + j).store_aligned(dst + j); break;
+              default: simd::load<A>(simd::F32w{}, reinterpret_cast<const float*>(src) + s0 + j).store_aligned(dst + j); break;
+            }
+          }
+        } else {
+          for (std::size_t j = 0; j < kPanelK; ++j) dst[j] = s0 + j < k ? element(w.type, src, s0 + j) : 0.f;
+        }
+      }
+    }
+  };
+  for_each_tile<R>(x, r0, r1, widen, [&](std::size_t rb, std::size_t rn, std::size_t b) {
+    const float* xt = reinterpret_cast<const float*>(x.block(b));
+    const std::size_t tn = std::min(TB, x.m - b * TB);
+    for (std::size_t t = 0; t < tn; t += kVecs * W) detail::kTable<A>[rn - 1](s.rows.data(), xt + t, k, s.out + t);
+    detail::store_tile<R>(s.out, rn, tn, y + b * TB * ys + rb, ys);
+  });
 }
 
 // The fast path of BF16 weights exists on this build (AVX512-BF16 compiled in).
 inline constexpr bool kHaveFastBf16 = simd::kHaveBf16Dot;
 
-// Activations as the fast path uses them: each f32 rounded to the nearest bf16 (ties to even), as
-// llama.cpp rounds a BF16 matmul's input.
-inline void round_activations(const float* x, std::size_t n, uint16_t* out) {
-  for (std::size_t i = 0; i < n; ++i) out[i] = f32_to_bf16(x[i]);
-}
-
 #if defined(__AVX512BF16__)
-// y[m, w.rows] (rows [r0, r1) only) = xb[m, w.cols] * w^T for BF16 weights, xb rounded by round_activations.
-inline void matmul_rows_bf16(const MatView& w, const uint16_t* xb, std::size_t m, float* y, std::size_t r0,
-                             std::size_t r1) {
-  for_each_tile<detail::kBf16Tokens>(detail::kBf16Table, w, xb, m, y, r0, r1);
+// y[m, w.rows] (rows [r0, r1) only) = x * w^T for BF16 weights, x packed by pack(..., pairs = true).
+inline void matmul_packed_bf16(const MatView& w, const PackedX& x, float* y, std::size_t r0, std::size_t r1) {
+  constexpr std::size_t TB = kBlockTokens;
+  constexpr int R = 12;
+  const std::size_t ys = w.rows;
+  detail::Scratch& s = detail::scratch();
+  for_each_tile<R>(x, r0, r1, [](std::size_t, std::size_t) {}, [&](std::size_t rb, std::size_t rn, std::size_t b) {
+    detail::kBf16Table[rn - 1](reinterpret_cast<const uint16_t*>(w.row(rb)), w.row_stride / 2, x.block(b), w.cols,
+                               s.out);
+    detail::store_tile<R>(s.out, rn, std::min(TB, x.m - b * TB), y + b * TB * ys + rb, ys);
+  });
 }
 #endif
+
+// Convenience for tests: packs x [m, w.cols] and runs the exact (pairs = false) or fast kernel.
+template <class A>
+inline void matmul_rows(const MatView& w, const float* x, std::size_t m, float* y, std::size_t r0, std::size_t r1,
+                        bool fast_bf16 = false) {
+  PackedX p;
+  pack(x, m, w.cols, fast_bf16, p);
+#if defined(__AVX512BF16__)
+  if (fast_bf16) return matmul_packed_bf16(w, p, y, r0, r1);
+#endif
+  matmul_packed<A>(w, p, y, r0, r1);
+}
 
 inline bool applies(const MatView& w) {
   return w.type == DType::F32 || w.type == DType::F16 || w.type == DType::BF16;

@@ -39,12 +39,12 @@ inline void dot_tile(const typename WT::storage* w, const float* x, std::size_t 
     for (int k = 0; k < K; ++k) {
       const B wk = simd::load<A>(WT{}, w + i + k * W);
       for (int t = 0; t < NT; ++t)
-        acc[t][k] = xsimd::fma(wk, B::load_unaligned(x + t * x_stride + i + k * W), acc[t][k]);
+        acc[t][k] = simd::fma(wk, B::load_unaligned(x + t * x_stride + i + k * W), acc[t][k]);
     }
   }
   for (; i + W <= n; i += W) {
     const B wk = simd::load<A>(WT{}, w + i);
-    for (int t = 0; t < NT; ++t) acc[t][0] = xsimd::fma(wk, B::load_unaligned(x + t * x_stride + i), acc[t][0]);
+    for (int t = 0; t < NT; ++t) acc[t][0] = simd::fma(wk, B::load_unaligned(x + t * x_stride + i), acc[t][0]);
   }
   for (int t = 0; t < NT; ++t) {
     B s = acc[t][0];
@@ -96,17 +96,15 @@ inline void matmul_rows(const MatView& w, const float* x, std::size_t m, float* 
 // The numeric path of a matmul. Quantized weights: exact = weights dequantized to f32 inside the dot;
 // fast = x's rows quantized once per call into the caller's `xq`, integer dot products. BF16 weights in
 // bulk requests with fast_float (where the CPU has a bf16 dot, gemm::kHaveFastBf16): x rounded to bf16
-// into `xq`, vdpbf16ps tiles, llama.cpp's numerics; otherwise float weights are exact.
+// as gemm.hpp packs it, vdpbf16ps tiles, llama.cpp's numerics; otherwise float weights are exact.
 struct QuantPath {
   bool fast = false;
   std::span<uint8_t> xq;  // [m, xq_row_bytes(w.cols)] bytes
   bool fast_float = false;
 };
 
-// Bytes of one row of `xq` for matmuls of input width up to n (either fast path).
-inline constexpr std::size_t xq_row_bytes(std::size_t n) {
-  return std::max(quant::act_row_bytes_bound(n), n * sizeof(uint16_t));
-}
+// Bytes of one row of `xq` for matmuls of input width up to n.
+inline constexpr std::size_t xq_row_bytes(std::size_t n) { return quant::act_row_bytes_bound(n); }
 
 // The default of fast_float on this CPU, from the measurements in docs/PERFORMANCE.md: the bf16 dot
 // where it exists, except on AMX CPUs, whose exact tiles are faster still; PP_EXACT_FLOAT=1 (what the
@@ -160,25 +158,23 @@ inline void matmul(ThreadPool& pool, const MatView& w, const float* x, std::size
   }
   constexpr std::size_t kGrain = 16;  // rows per task: whole row blocks (and whole register tiles)
   const std::size_t n_tasks = (w.rows + kGrain - 1) / kGrain;
-#if defined(__AVX512BF16__)
-  if (bulk && path.fast_float && w.type == DType::BF16) {
-    assert(path.xq.size() >= m * w.cols * sizeof(uint16_t));
-    uint16_t* xb = reinterpret_cast<uint16_t*>(path.xq.data());
-    pool.parallel_for(m, [&](std::size_t b, std::size_t e, unsigned) {
-      gemm::round_activations(x + b * w.cols, (e - b) * w.cols, xb + b * w.cols);
-    });
-    pool.parallel_for(n_tasks, [&](std::size_t b, std::size_t e, unsigned) {
-      gemm::matmul_rows_bf16(w, xb, m, y, b * kGrain, std::min(e * kGrain, w.rows));
-    });
-    return;
-  }
-#endif
 #if PP_HAVE_AMX
-  if (bulk && amx::applies(w)) return matmul_amx<A>(pool, w, x, m, y);
+  if (bulk && amx::applies(w) && !(path.fast_float && w.type == DType::BF16 && gemm::kHaveFastBf16))
+    return matmul_amx<A>(pool, w, x, m, y);
 #endif
   if (bulk && gemm::applies(w)) {
+    // Packed once per call by the pool into the caller's buffer (grown to the largest call, then reused).
+    static thread_local gemm::PackedX tls;
+    gemm::PackedX& px = tls;
+    const bool fast = path.fast_float && w.type == DType::BF16 && gemm::kHaveFastBf16;
+    gemm::prepare(px, m, w.cols, fast);
+    pool.parallel_for(px.blocks(), [&](std::size_t b, std::size_t e, unsigned) { gemm::pack_blocks(x, px, b, e); });
     pool.parallel_for(n_tasks, [&](std::size_t b, std::size_t e, unsigned) {
-      gemm::matmul_rows<A>(w, x, m, y, b * kGrain, std::min(e * kGrain, w.rows));
+      const std::size_t r0 = b * kGrain, r1 = std::min(e * kGrain, w.rows);
+#if defined(__AVX512BF16__)
+      if (fast) return gemm::matmul_packed_bf16(w, px, y, r0, r1);
+#endif
+      gemm::matmul_packed<A>(w, px, y, r0, r1);
     });
     return;
   }

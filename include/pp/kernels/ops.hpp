@@ -16,10 +16,10 @@ inline float dot_f32(const float* a, const float* b, std::size_t n) {
   B acc0(0.f), acc1(0.f);
   std::size_t i = 0;
   for (; i + 2 * W <= n; i += 2 * W) {
-    acc0 = xsimd::fma(B::load_unaligned(a + i), B::load_unaligned(b + i), acc0);
-    acc1 = xsimd::fma(B::load_unaligned(a + i + W), B::load_unaligned(b + i + W), acc1);
+    acc0 = simd::fma(B::load_unaligned(a + i), B::load_unaligned(b + i), acc0);
+    acc1 = simd::fma(B::load_unaligned(a + i + W), B::load_unaligned(b + i + W), acc1);
   }
-  for (; i + W <= n; i += W) acc0 = xsimd::fma(B::load_unaligned(a + i), B::load_unaligned(b + i), acc0);
+  for (; i + W <= n; i += W) acc0 = simd::fma(B::load_unaligned(a + i), B::load_unaligned(b + i), acc0);
   float r = xsimd::hadd(acc0 + acc1);
   for (; i < n; ++i) r += a[i] * b[i];
   return r;
@@ -32,7 +32,7 @@ inline void axpy(float a, const float* x, float* y, std::size_t n) {
   constexpr std::size_t W = B::size;
   const B va(a);
   std::size_t i = 0;
-  for (; i + W <= n; i += W) xsimd::fma(va, B::load_unaligned(x + i), B::load_unaligned(y + i)).store_unaligned(y + i);
+  for (; i + W <= n; i += W) simd::fma(va, B::load_unaligned(x + i), B::load_unaligned(y + i)).store_unaligned(y + i);
   for (; i < n; ++i) y[i] += a * x[i];
 }
 

@@ -576,7 +576,7 @@ inline void dot_exact(const Block* w, std::size_t n, const float* x, std::size_t
     for (std::size_t k = 0; k < E / W; ++k) {
       const B wk = B::load_aligned(buf + k * W);
       for (int t = 0; t < NT; ++t)
-        acc[t][k % K] = xsimd::fma(wk, B::load_unaligned(xi + t * xs + k * W), acc[t][k % K]);
+        acc[t][k % K] = simd::fma(wk, B::load_unaligned(xi + t * xs + k * W), acc[t][k % K]);
     }
   }
   for (int t = 0; t < NT; ++t) {
@@ -626,7 +626,7 @@ inline void dot_fast(const Block* w, std::size_t n, const uint8_t* xq, std::size
       const ActQ8& x = a[t][i];
       const Q s = Q::load(x.qs);
       const I p = kHasMin<Block> ? simd::dot_us<A>(I(0), q, s) : simd::dot_ss<A>(I(0), q, s);
-      acc[t] = xsimd::fma(xsimd::to_float(p), F(d * x.d), acc[t]);
+      acc[t] = simd::fma(xsimd::to_float(p), F(d * x.d), acc[t]);
       if constexpr (kHasMin<Block>) mins[t] += h2f(b.m) * x.s;
     }
   }
@@ -669,8 +669,8 @@ inline void dot_fast(const Block* w, std::size_t n, const uint8_t* xq, std::size
       I p(0);
       for (int j = 0; j < 8; ++j) p = simd::dot_us_scaled<A>(p, u[j], Q::load(x.qs + 32 * j), group[j]);
       const I m = simd::madd<A>(mins, S::load(x.bsums));  // bsums 2j and 2j + 1 cover sub-block j
-      acc[t] = xsimd::fma(xsimd::to_float(p), F(d * x.d), acc[t]);
-      accm[t] = xsimd::fma(xsimd::to_float(m), F(dmin * x.d), accm[t]);
+      acc[t] = simd::fma(xsimd::to_float(p), F(d * x.d), acc[t]);
+      accm[t] = simd::fma(xsimd::to_float(m), F(dmin * x.d), accm[t]);
     }
   }
   for (int t = 0; t < NT; ++t) y[t * ys] = xsimd::hadd(acc[t] - accm[t]);
@@ -707,8 +707,8 @@ inline void dot_fast(const Block* w, std::size_t n, const uint8_t* xq, std::size
       I p(0);
       for (int g = 0; g < 8; ++g) p = simd::dot_us_scaled<A>(p, u[g], Q::load(x.qs + 32 * g), group[g]);
       const I off = simd::madd<A>(scales, S::load(x.bsums));
-      acc[t] = xsimd::fma(xsimd::to_float(p), F(d * x.d), acc[t]);
-      acco[t] = xsimd::fma(xsimd::to_float(off), F(32.f * d * x.d), acco[t]);
+      acc[t] = simd::fma(xsimd::to_float(p), F(d * x.d), acc[t]);
+      acco[t] = simd::fma(xsimd::to_float(off), F(32.f * d * x.d), acco[t]);
     }
   }
   for (int t = 0; t < NT; ++t) y[t * ys] = xsimd::hadd(acc[t] - acco[t]);

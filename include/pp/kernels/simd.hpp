@@ -53,6 +53,17 @@ inline const char* arch_name() {
 template <class A>
 using fbatch = xsimd::batch<float, A>;
 
+// a * b + c with one rounding on every architecture (xsimd 8.1 has no AVX-512 fma: its generic one is a
+// multiply and an add, two roundings and two instructions, under -ffp-contract=off).
+template <class A>
+inline fbatch<A> fma(const fbatch<A>& a, const fbatch<A>& b, const fbatch<A>& c) {
+#if XSIMD_WITH_AVX512F
+  if constexpr (std::is_base_of_v<xsimd::avx512f, A>) return fbatch<A>(_mm512_fmadd_ps(a, b, c));
+  else
+#endif
+    return xsimd::fma(a, b, c);
+}
+
 // Weight element tags: how a row of stored weights becomes f32 lanes.
 struct F32w {
   using storage = float;
@@ -135,13 +146,13 @@ inline fbatch<A> load(F16w, const uint16_t* p) {
 #if defined(__AVX512BF16__)
 inline constexpr bool kHaveBf16Dot = true;
 struct Bf16Dot {
-  static constexpr std::size_t kElems = 32;  // bf16 elements of k per instruction
   using Acc = __m512;
   using Vec = __m512i;
   static Acc zero() { return _mm512_setzero_ps(); }
-  static Vec load(const uint16_t* p) { return _mm512_loadu_si512(p); }
+  static Vec load(const uint32_t* p) { return _mm512_load_si512(p); }  // 64-byte aligned: 16 bf16 pairs
+  static Vec broadcast_pair(uint32_t pair) { return _mm512_set1_epi32(int(pair)); }
+  static void store(float* p, Acc a) { _mm512_store_ps(p, a); }  // 64-byte aligned
   static Acc dot(Acc acc, Vec w, Vec x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
-  static float sum(Acc acc) { return _mm512_reduce_add_ps(acc); }
 };
 #else
 inline constexpr bool kHaveBf16Dot = false;
