@@ -231,7 +231,8 @@ void BM_Prefill(benchmark::State& st) {
   st.counters["tok/s"] = benchmark::Counter(double(n), benchmark::Counter::kIsIterationInvariantRate);
   // Which numeric path the prompt took (float weights: AMX / vector tiles exact, or the bf16 dot).
   const bool quant = dt != "bf16" && dt != "f16";
-  st.SetLabel(dt + (quant                          ? " fast (int8)"
+  st.SetLabel(dt + (dt == "q8_0" && pp::kernels::gemm_q8::kAvailable ? " fast (int8 VNNI tiles)"
+                    : quant                          ? " fast (int8)"
                     : dt == "bf16" && s.fast_float() ? " fast (bf16 dot)"
                     : pp::kernels::amx::available()  ? " exact (AMX)"
                                                      : " exact (vector tiles)"));

@@ -420,6 +420,35 @@ TEST(QuantDot, TokenCountAndThreadsDoNotChangeBits) {
   }
 }
 
+// Bulk requests of Q8_0 weights on the fast path (gemm_q8.hpp where AVX512-VNNI is compiled in, the dot
+// kernels elsewhere): against the oracle on the quantized activations; a row's result independent of
+// how many tokens share the call (partial token blocks, several chunks), the thread count and so the
+// row ranges of tasks (full and last row blocks).
+TEST(QuantDot, Q8_0BulkRowsMatchOracleWhateverTheBatchAndThreads) {
+  std::mt19937 rng(11);
+  pp::ThreadPool p1(1), p3(3);
+  for (std::size_t cols : {32, 96, 2048})
+    for (std::size_t rows : {1, 5, 23, 70}) {
+      const auto w = random_matrix(DType::Q8_0, rows, cols, rng);
+      const auto wf = dequant_matrix(DType::Q8_0, w, rows, cols);
+      pp::MatView mv{DType::Q8_0, w.data(), rows, cols, pp::row_bytes(DType::Q8_0, cols)};
+      const std::size_t m = cols == 2048 ? 300 : 45;  // 2048: several token chunks
+      const auto x = randv(m * cols, rng);
+      const std::size_t rb = q::act_row_bytes(DType::Q8_0, cols);
+      std::vector<uint8_t> xq(m * rb), xq_own(m * rb);
+      for (std::size_t i = 0; i < m; ++i) q::quantize_act_row(DType::Q8_0, &x[i * cols], cols, xq.data() + i * rb);
+      std::vector<float> y1(m * rows), y3(m * rows), part(17 * rows);
+      pp::kernels::matmul(p1, mv, x.data(), m, y1.data(), {true, xq_own}, /*bulk=*/true);
+      pp::kernels::matmul(p3, mv, x.data(), m, y3.data(), {true, xq_own}, true);
+      ASSERT_EQ(y1, y3) << "cols " << cols << " rows " << rows;
+      pp::kernels::matmul(p3, mv, x.data() + 20 * cols, 17, part.data(), {true, xq_own}, true);
+      for (std::size_t i = 0; i < 17 * rows; ++i)
+        ASSERT_EQ(std::bit_cast<uint32_t>(part[i]), std::bit_cast<uint32_t>(y1[20 * rows + i])) << i;
+      expect_dots(y1, wf, dequant_acts(DType::Q8_0, xq, m, cols), m, rows, cols,
+                  "q8_0 bulk cols " + std::to_string(cols) + " rows " + std::to_string(rows));
+    }
+}
+
 }  // namespace
 
 // ---- Synthetic quantized models (tools/common/synth.hpp) ----

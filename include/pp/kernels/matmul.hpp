@@ -13,6 +13,7 @@
 #include <pp/kernels/quant.hpp>
 #include <pp/kernels/amx.hpp>
 #include <pp/kernels/gemm.hpp>
+#include <pp/kernels/gemm_q8.hpp>
 #include <pp/kernels/simd.hpp>
 
 #include <algorithm>
@@ -139,8 +140,12 @@ inline void matmul_amx(ThreadPool& pool, const MatView& w, const float* x, std::
 inline constexpr std::size_t kBulkRows = 16;
 
 // Whether bulk rows against weights of type t take a tile kernel (and so sum in another order than the
-// dot kernels of a decode step): float weights do, quantized ones keep one path.
-inline bool bulk_on_tiles(DType t) { return t == DType::F32 || t == DType::F16 || t == DType::BF16; }
+// dot kernels of a decode step): float weights do, Q8_0 on the fast path where VNNI tiles are compiled
+// in; other quantized formats keep one path.
+inline bool bulk_on_tiles(DType t, bool fast_quant = true) {
+  return t == DType::F32 || t == DType::F16 || t == DType::BF16 ||
+         (t == DType::Q8_0 && fast_quant && gemm_q8::kAvailable);
+}
 
 // y[m, w.rows] = x[m, w.cols] * w^T, output rows split across the pool. bulk: the rows belong to bulk
 // requests (see kBulkRows); the caller decides, so that a row's path depends on its own request only.
@@ -158,6 +163,18 @@ inline void matmul(ThreadPool& pool, const MatView& w, const float* x, std::size
   }
   constexpr std::size_t kGrain = 16;  // rows per task: whole row blocks (and whole register tiles)
   const std::size_t n_tasks = (w.rows + kGrain - 1) / kGrain;
+#if PP_HAVE_Q8_TILES
+  if (bulk && xq && w.type == DType::Q8_0) {
+    static thread_local gemm_q8::PackedX tls;  // the caller's, grown to the largest call (see below)
+    gemm_q8::PackedX& px = tls;
+    gemm_q8::prepare(px, m, w.cols);
+    pool.parallel_for(px.blocks(), [&](std::size_t b, std::size_t e, unsigned) { gemm_q8::pack_blocks(xq, px, b, e); });
+    pool.parallel_for(n_tasks, [&](std::size_t b, std::size_t e, unsigned) {
+      gemm_q8::matmul_packed(w, px, y, b * kGrain, std::min(e * kGrain, w.rows));
+    });
+    return;
+  }
+#endif
 #if PP_HAVE_AMX
   if (bulk && amx::applies(w) && !(path.fast_float && w.type == DType::BF16 && gemm::kHaveFastBf16))
     return matmul_amx<A>(pool, w, x, m, y);
