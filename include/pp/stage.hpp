@@ -106,7 +106,8 @@ class Stage {
   bool fast_float() const { return fast_float_; }
   // The kernels this stage computes with, as the handshake reports them: the SIMD target, plus
   // "+bf16dot" when prompts take the fast path and the model has BF16 blocks (results then differ from
-  // an exact end's). It follows the file, not this stage's range, so every stage of one model with the
+  // an exact end's), "+q8tiles" when Q8_0 prompts run on the VNNI tiles (fast_quant, AVX512-VNNI: they
+  // sum blocks in another order than a build without them). It follows the file, not this stage's range, so every stage of one model with the
   // same settings reports the same profile.
   const std::string& kernel_profile() const { return kernel_profile_; }
   const gguf::File& gguf() const { return gguf_; }
@@ -220,10 +221,14 @@ class Stage {
     max_rows_ = std::max<std::size_t>(1, std::min(opt.max_rows, ctx_));
     fast_quant_ = opt.fast_quant;
     fast_float_ = opt.fast_float.value_or(kernels::fast_float_default()) && kernels::gemm::kHaveFastBf16;
-    bool bf16_blocks = false;
-    for (const gguf::TensorInfo& t : gguf_.tensors)
-      bf16_blocks = bf16_blocks || (t.name.starts_with("blk.") && t.type == gguf::TensorType::BF16);
-    kernel_profile_ = std::string(simd::Best::name()) + (fast_float_ && bf16_blocks ? "+bf16dot" : "");
+    bool bf16_blocks = false, q8_blocks = false;
+    for (const gguf::TensorInfo& t : gguf_.tensors) {
+      if (!t.name.starts_with("blk.")) continue;
+      bf16_blocks = bf16_blocks || t.type == gguf::TensorType::BF16;
+      q8_blocks = q8_blocks || t.type == gguf::TensorType::Q8_0;
+    }
+    kernel_profile_ = std::string(simd::Best::name()) + (fast_float_ && bf16_blocks ? "+bf16dot" : "") +
+                      (fast_quant_ && q8_blocks && kernels::gemm_q8::kAvailable ? "+q8tiles" : "");
     pool_ = std::make_unique<ThreadPool>(opt.threads);
     rope_ = Rope(cfg_.head_dim, cfg_.rope_base, llama::rope_freq_factors(gguf_, cfg_));
 

@@ -519,3 +519,15 @@ TEST(QuantSynth, QuantizedModelsRunPrefillEqualsDecodeOnBothPaths) {
     std::filesystem::remove(path);
   }
 }
+
+// The handshake's kernel profile says when Q8_0 prompts run on the VNNI tiles (their sums differ from a
+// build without them), and only then: not on the exact path, not for a file without Q8_0 blocks.
+TEST(QuantSynth, Q8_0TilesShowInTheKernelProfile) {
+  const std::string q8 = synth_test::tmp_model("q8_0", 1), q4 = synth_test::tmp_model("q4_k_m", 1);
+  const bool tiles = pp::kernels::gemm_q8::kAvailable;
+  EXPECT_EQ(pp::Stage::open_full(q8, {.fast_quant = true})->kernel_profile().ends_with("+q8tiles"), tiles);
+  EXPECT_FALSE(pp::Stage::open_full(q8, {.fast_quant = false})->kernel_profile().ends_with("+q8tiles"));
+  EXPECT_FALSE(pp::Stage::open_full(q4, {.fast_quant = true})->kernel_profile().ends_with("+q8tiles"));
+  std::filesystem::remove(q8);
+  std::filesystem::remove(q4);
+}
