@@ -97,6 +97,46 @@ BENCHMARK(BM_MatmulBulk)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 
+// One core's arithmetic peak, the ceiling BM_MatmulBulk's GFLOP/s are read against: 0 = f32 FMA of the
+// best compiled-in SIMD target (simd::fma), 1 = the bf16 dot (vdpbf16ps, two products a lane) where
+// compiled in. 24 independent accumulator chains hide the instructions' latency; nothing is loaded.
+void BM_Peak(benchmark::State& st) {
+  constexpr int kChains = 24, kSteps = 1 << 16;
+  using B = pp::simd::fbatch<pp::simd::Best>;
+  double flops_per_step = 0;
+  if (st.range(0) == 0) {
+    B acc[kChains], a(1.0001f), b(0.9999f);
+    for (auto& c : acc) c = B(0.f);
+    for (auto _ : st) {
+      for (int i = 0; i < kSteps; ++i)
+#pragma GCC unroll 24
+        for (auto& c : acc) c = pp::simd::fma(a, b, c);
+      for (auto& c : acc) benchmark::DoNotOptimize(c);
+    }
+    flops_per_step = 2.0 * B::size * kChains;
+  } else {
+#if defined(__AVX512BF16__)
+    using D = pp::simd::Bf16Dot;
+    D::Acc acc[kChains];
+    for (auto& c : acc) c = D::zero();
+    const D::Vec v = D::broadcast_pair(0x3f803f80u);  // (1, 1)
+    for (auto _ : st) {
+      for (int i = 0; i < kSteps; ++i)
+#pragma GCC unroll 24
+        for (auto& c : acc) c = D::dot(c, v, v);
+      for (auto& c : acc) benchmark::DoNotOptimize(c);
+    }
+    flops_per_step = 4.0 * 16 * kChains;
+#else
+    st.SkipWithError("no bf16 dot in this build");
+    return;
+#endif
+  }
+  st.counters["GFLOP/s"] = benchmark::Counter(flops_per_step * kSteps, benchmark::Counter::kIsIterationInvariantRate);
+  st.SetLabel(st.range(0) == 0 ? std::string(pp::simd::Best::name()) + " f32 fma" : "vdpbf16ps");
+}
+BENCHMARK(BM_Peak)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond)->UseRealTime();
+
 // Model weight types by benchmark argument.
 const char* dtype_arg(int64_t i) {
   static const char* names[] = {"bf16", "f16", "q8_0", "q4_k_m"};

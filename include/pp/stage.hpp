@@ -107,8 +107,8 @@ class Stage {
   // The kernels this stage computes with, as the handshake reports them: the SIMD target, plus
   // "+bf16dot" when prompts take the fast path and the model has BF16 blocks (results then differ from
   // an exact end's), "+q8tiles" when Q8_0 prompts run on the VNNI tiles (fast_quant, AVX512-VNNI: they
-  // sum blocks in another order than a build without them). It follows the file, not this stage's range, so every stage of one model with the
-  // same settings reports the same profile.
+  // sum blocks in another order than a build without them). It follows the file, not this stage's
+  // range, so every stage of one model with the same settings reports the same profile.
   const std::string& kernel_profile() const { return kernel_profile_; }
   const gguf::File& gguf() const { return gguf_; }
   const MappedFile& file() const { return file_; }
@@ -228,7 +228,7 @@ class Stage {
       q8_blocks = q8_blocks || t.type == gguf::TensorType::Q8_0;
     }
     kernel_profile_ = std::string(simd::Best::name()) + (fast_float_ && bf16_blocks ? "+bf16dot" : "") +
-                      (fast_quant_ && q8_blocks && kernels::gemm_q8::kAvailable ? "+q8tiles" : "");
+                      (q8_blocks && kernels::bulk_on_tiles(DType::Q8_0, fast_quant_) ? "+q8tiles" : "");
     pool_ = std::make_unique<ThreadPool>(opt.threads);
     rope_ = Rope(cfg_.head_dim, cfg_.rope_base, llama::rope_freq_factors(gguf_, cfg_));
 

@@ -239,8 +239,9 @@ namespace {
 // of them as pp_generate --logits-out does, one per sequence of a decoding batch): bit for bit, on
 // both numeric paths.
 TEST(SplitInvariance, HeadRowsDoNotDependOnHowManyAreAsked) {
+  for (const bool fast : {false, true})
   for (const char* dt : {"f32", "bf16", "f16"}) {
-    auto st = pp::Stage::open_full(tiny(dt), {.threads = 2});
+    auto st = pp::Stage::open_full(tiny(dt), {.threads = 2, .fast_float = fast});
     const std::size_t E = st->config().n_embd, V = st->config().n_vocab, n = 24;
     std::vector<int32_t> toks;
     for (std::size_t i = 0; i < n; ++i) toks.push_back(int32_t((kPrompt[i % kPrompt.size()] + 11 * i) % 500));
@@ -251,7 +252,7 @@ TEST(SplitInvariance, HeadRowsDoNotDependOnHowManyAreAsked) {
     st->head(seq, rows.data(), n, all.data());
     for (std::size_t i : {std::size_t(0), n / 2, n - 1}) {
       st->head(seq, rows.data() + i * E, 1, one.data());
-      EXPECT_EQ(0, std::memcmp(one.data(), &all[i * V], V * 4)) << dt << " row " << i;
+      EXPECT_EQ(0, std::memcmp(one.data(), &all[i * V], V * 4)) << dt << (fast ? " fast" : " exact") << " row " << i;
     }
   }
 }

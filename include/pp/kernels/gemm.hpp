@@ -59,6 +59,7 @@ struct PackedX {
   bool pairs = false;
   std::size_t steps() const { return pairs ? (k + 1) / 2 : k; }  // 32-bit words of a token over k
   std::size_t blocks() const { return (m + kBlockTokens - 1) / kBlockTokens; }
+  std::size_t block_bytes() const { return steps() * kBlockTokens * sizeof(uint32_t); }
   const uint32_t* block(std::size_t b) const { return data.data() + b * steps() * kBlockTokens; }
 };
 
@@ -130,6 +131,8 @@ inline void tile(const float* w, const float* xt, std::size_t k, float* out) {
 }
 
 #if defined(__AVX512BF16__)
+inline constexpr int kBf16Rows = 12;  // the fast tile's rows: 24 accumulators, 2 token vectors, 1 broadcast
+
 // The fast path's tile: xt packed in pairs, w R rows of bf16 `ws` elements apart, k elements each.
 template <int R>
 inline void tile_bf16(const uint16_t* w, std::size_t ws, const uint32_t* xt, std::size_t k, float* out) {
@@ -180,7 +183,7 @@ template <int... R>
 constexpr auto bf16_table(std::integer_sequence<int, R...>) {
   return std::array<Bf16TileFn, sizeof...(R)>{&tile_bf16<R + 1>...};
 }
-inline constexpr auto kBf16Table = bf16_table(std::make_integer_sequence<int, 12>{});
+inline constexpr auto kBf16Table = bf16_table(std::make_integer_sequence<int, kBf16Rows>{});
 #endif
 
 // Tile results out[r * TB + t] (rn rows, tn tokens) into y[t * ys + r]: transposed in L1 first, then
@@ -198,8 +201,10 @@ inline void store_tile(const float* out, std::size_t rn, std::size_t tn, float* 
 // Scratch of the calling thread: one row block's weights widened to f32, one tile's results.
 struct Scratch {
   Buffer<float> rows;
-  alignas(64) float out[kBlockTokens * 16];
+  static constexpr int kMaxRows = 16;  // of any tile here or in gemm_q8.hpp
+  alignas(64) float out[kBlockTokens * kMaxRows];
 };
+static_assert(kRows<simd::Best> <= Scratch::kMaxRows);
 inline Scratch& scratch() {
   static thread_local Scratch s;
   return s;
@@ -207,27 +212,18 @@ inline Scratch& scratch() {
 
 }  // namespace detail
 
-// Element j of a float weight row as f32.
-inline float element(DType t, const uint8_t* row, std::size_t j) {
-  switch (t) {
-    case DType::BF16: return bf16_to_f32(reinterpret_cast<const uint16_t*>(row)[j]);
-    case DType::F16: return f16_to_f32(reinterpret_cast<const uint16_t*>(row)[j]);
-    default: return reinterpret_cast<const float*>(row)[j];
-  }
-}
-
-// Runs `run(rb, rn, block)` over the (row block, token block) pairs of rows [r0, r1): token chunks of
-// about kChunkBytes of packed x, a chunk's blocks row block by row block; `widen(rb, rn)` first for
-// each row block of a chunk.
-template <int R, class Widen, class Run>
-inline void for_each_tile(const PackedX& x, std::size_t r0, std::size_t r1, Widen&& widen, Run&& run) {
-  const std::size_t block_bytes = x.steps() * kBlockTokens * 4;
+// Runs `run(rb, rn, block)` over the (row block of R, token block) pairs of rows [r0, r1) and `blocks`
+// packed token blocks of `block_bytes` each: token chunks of about kChunkBytes, a chunk's blocks row
+// block by row block; `prepare(rb, rn)` first for each row block of a chunk.
+template <int R, class Prepare, class Run>
+inline void for_each_tile(std::size_t blocks, std::size_t block_bytes, std::size_t r0, std::size_t r1,
+                          Prepare&& prepare, Run&& run) {
   const std::size_t chunk = std::max<std::size_t>(1, kChunkBytes / block_bytes);  // token blocks
-  for (std::size_t c0 = 0; c0 < x.blocks(); c0 += chunk) {
-    const std::size_t c1 = std::min(x.blocks(), c0 + chunk);
+  for (std::size_t c0 = 0; c0 < blocks; c0 += chunk) {
+    const std::size_t c1 = std::min(blocks, c0 + chunk);
     for (std::size_t rb = r0; rb < r1; rb += R) {
       const std::size_t rn = std::min<std::size_t>(R, r1 - rb);
-      widen(rb, rn);
+      prepare(rb, rn);
       for (std::size_t b = c0; b < c1; ++b) run(rb, rn, b);
     }
   }
@@ -242,26 +238,28 @@ inline void matmul_packed(const MatView& w, const PackedX& x, float* y, std::siz
   const std::size_t kp = (k + kPanelK - 1) / kPanelK * kPanelK;
   detail::Scratch& s = detail::scratch();
   if (s.rows.size() < R * kp) s.rows = Buffer<float>(R * kp);
-  auto widen = [&](std::size_t rb, std::size_t rn) {
+  // Rows [rb, rb + rn) into the panels of s.rows (rn rows a panel).
+  auto widen = [&]<class WT>(WT, std::size_t rb, std::size_t rn) {
+    using S = typename WT::storage;
     for (std::size_t r = 0; r < rn; ++r) {
-      const uint8_t* src = w.row(rb + r);
+      const S* src = reinterpret_cast<const S*>(w.row(rb + r));
       for (std::size_t s0 = 0; s0 < kp; s0 += kPanelK) {
         float* dst = s.rows.data() + s0 * rn + r * kPanelK;
-        if (s0 + kPanelK <= k) {
-          for (std::size_t j = 0; j < kPanelK; j += W) {
-            switch (w.type) {
-              case DType::BF16: simd::load<A>(simd::Bf16w{}, reinterpret_cast<const uint16_t*>(src) + s0 + j).store_aligned(dst + j); break;
-              case DType::F16: simd::load<A>(simd::F16w{}, reinterpret_cast<const uint16_t*>(src) + s0 + j).store_aligned(dst + j); break;
-              default: simd::load<A>(simd::F32w{}, reinterpret_cast<const float*>(src) + s0 + j).store_aligned(dst + j); break;
-            }
-          }
-        } else {
-          for (std::size_t j = 0; j < kPanelK; ++j) dst[j] = s0 + j < k ? element(w.type, src, s0 + j) : 0.f;
-        }
+        if (s0 + kPanelK <= k)
+          for (std::size_t j = 0; j < kPanelK; j += W) simd::load<A>(WT{}, src + s0 + j).store_aligned(dst + j);
+        else
+          for (std::size_t j = 0; j < kPanelK; ++j) dst[j] = s0 + j < k ? simd::load1(WT{}, src + s0 + j) : 0.f;
       }
     }
   };
-  for_each_tile<R>(x, r0, r1, widen, [&](std::size_t rb, std::size_t rn, std::size_t b) {
+  auto prepare = [&](std::size_t rb, std::size_t rn) {
+    switch (w.type) {
+      case DType::BF16: return widen(simd::Bf16w{}, rb, rn);
+      case DType::F16: return widen(simd::F16w{}, rb, rn);
+      default: return widen(simd::F32w{}, rb, rn);
+    }
+  };
+  for_each_tile<R>(x.blocks(), x.block_bytes(), r0, r1, prepare, [&](std::size_t rb, std::size_t rn, std::size_t b) {
     const float* xt = reinterpret_cast<const float*>(x.block(b));
     const std::size_t tn = std::min(TB, x.m - b * TB);
     for (std::size_t t = 0; t < tn; t += kVecs * W) detail::kTable<A>[rn - 1](s.rows.data(), xt + t, k, s.out + t);
@@ -276,10 +274,11 @@ inline constexpr bool kHaveFastBf16 = simd::kHaveBf16Dot;
 // y[m, w.rows] (rows [r0, r1) only) = x * w^T for BF16 weights, x packed by pack(..., pairs = true).
 inline void matmul_packed_bf16(const MatView& w, const PackedX& x, float* y, std::size_t r0, std::size_t r1) {
   constexpr std::size_t TB = kBlockTokens;
-  constexpr int R = 12;
+  constexpr int R = kBf16Rows;
   const std::size_t ys = w.rows;
   detail::Scratch& s = detail::scratch();
-  for_each_tile<R>(x, r0, r1, [](std::size_t, std::size_t) {}, [&](std::size_t rb, std::size_t rn, std::size_t b) {
+  const auto no_prepare = [](std::size_t, std::size_t) {};
+  for_each_tile<R>(x.blocks(), x.block_bytes(), r0, r1, no_prepare, [&](std::size_t rb, std::size_t rn, std::size_t b) {
     detail::kBf16Table[rn - 1](reinterpret_cast<const uint16_t*>(w.row(rb)), w.row_stride / 2, x.block(b), w.cols,
                                s.out);
     detail::store_tile<R>(s.out, rn, std::min(TB, x.m - b * TB), y + b * TB * ys + rb, ys);

@@ -35,17 +35,15 @@
 
 namespace pp::kernels::gemm_q8 {
 
-#if PP_HAVE_Q8_TILES
-inline constexpr bool kAvailable = true;
-#else
+#if !PP_HAVE_Q8_TILES
 inline constexpr bool kAvailable = false;
-#endif
+#else
+inline constexpr bool kAvailable = true;
 
 inline constexpr std::size_t kBlockTokens = 32;  // two zmm of int32 lanes
-#if PP_HAVE_Q8_TILES
 static_assert(gemm::kBlockTokens == kBlockTokens);  // results leave through gemm's store_tile
-#endif
 inline constexpr int kRows = 6;                  // 12 int32 + 12 f32 accumulators, 2 token vectors, temps
+static_assert(kRows <= gemm::detail::Scratch::kMaxRows);
 inline constexpr std::size_t kQ = 32;            // elements of a Q8_0 block
 // Packed bytes of one weight block's worth of a token block: 8 groups x 32 tokens x 4 codes, 32 scales.
 inline constexpr std::size_t kBlockBytes = 8 * kBlockTokens * 4 + kBlockTokens * 4;
@@ -86,15 +84,14 @@ inline void pack_blocks(const uint8_t* xq, PackedX& p, std::size_t tb0, std::siz
     }
 }
 
-#if PP_HAVE_Q8_TILES
 // Per row block: each row's block scales as f32 and -128 * its block code sums.
 struct RowBlock {
   Buffer<float> d;
   Buffer<int32_t> offset;
 };
 
-// out[r * 32 + t] for R rows of Q8_0 blocks (rows `stride` bytes apart), token block x; rb: their scales
-// and offsets, nb blocks a row.
+// out[r * 32 + t] for R rows of Q8_0 blocks (rows `stride` bytes apart) and token block tb of x; d and
+// offset: the rows' RowBlock values, nb a row.
 template <int R>
 inline void tile(const uint8_t* w, std::size_t stride, const PackedX& x, std::size_t tb, const float* d,
                  const int32_t* offset, float* out) {
@@ -142,12 +139,8 @@ constexpr auto table(std::integer_sequence<int, R...>) {
 }
 inline constexpr auto kTable = table(std::make_integer_sequence<int, kRows>{});
 
-struct Scratch {
-  RowBlock rows;
-  alignas(64) float out[kBlockTokens * kRows];
-};
-inline Scratch& scratch() {
-  static thread_local Scratch s;
+inline RowBlock& row_block() {
+  static thread_local RowBlock s;
   return s;
 }
 }  // namespace detail
@@ -157,28 +150,24 @@ inline void matmul_packed(const MatView& w, const PackedX& x, float* y, std::siz
   constexpr std::size_t TB = kBlockTokens;
   constexpr int R = kRows;
   const std::size_t nb = x.nb, ys = w.rows;
-  detail::Scratch& s = detail::scratch();
-  if (s.rows.d.size() < R * nb) s.rows.d = Buffer<float>(R * nb), s.rows.offset = Buffer<int32_t>(R * nb);
-  const std::size_t chunk = std::max<std::size_t>(1, gemm::kChunkBytes / (nb * kBlockBytes));  // token blocks
-  for (std::size_t c0 = 0; c0 < x.blocks(); c0 += chunk) {
-    const std::size_t c1 = std::min(x.blocks(), c0 + chunk);
-    for (std::size_t rb = r0; rb < r1; rb += R) {
-      const std::size_t rn = std::min<std::size_t>(R, r1 - rb);
-      for (std::size_t r = 0; r < rn; ++r) {
-        const auto* blocks = reinterpret_cast<const quant::BlockQ8_0*>(w.row(rb + r));
-        for (std::size_t b = 0; b < nb; ++b) {
-          int32_t sum = 0;
-          for (int8_t q : blocks[b].qs) sum += q;
-          s.rows.d[r * nb + b] = quant::h2f(blocks[b].d);
-          s.rows.offset[r * nb + b] = -128 * sum;
-        }
-      }
-      for (std::size_t tb = c0; tb < c1; ++tb) {
-        detail::kTable[rn - 1](w.row(rb), w.row_stride, x, tb, s.rows.d.data(), s.rows.offset.data(), s.out);
-        gemm::detail::store_tile<R>(s.out, rn, std::min(TB, x.m - tb * TB), y + tb * TB * ys + rb, ys);
+  RowBlock& rows = detail::row_block();
+  float* out = gemm::detail::scratch().out;
+  if (rows.d.size() < R * nb) rows.d = Buffer<float>(R * nb), rows.offset = Buffer<int32_t>(R * nb);
+  auto prepare = [&](std::size_t rb, std::size_t rn) {
+    for (std::size_t r = 0; r < rn; ++r) {
+      const auto* blocks = reinterpret_cast<const quant::BlockQ8_0*>(w.row(rb + r));
+      for (std::size_t b = 0; b < nb; ++b) {
+        int32_t sum = 0;
+        for (int8_t q : blocks[b].qs) sum += q;
+        rows.d[r * nb + b] = quant::h2f(blocks[b].d);
+        rows.offset[r * nb + b] = -128 * sum;
       }
     }
-  }
+  };
+  gemm::for_each_tile<R>(x.blocks(), nb * kBlockBytes, r0, r1, prepare, [&](std::size_t rb, std::size_t rn, std::size_t tb) {
+    detail::kTable[rn - 1](w.row(rb), w.row_stride, x, tb, rows.d.data(), rows.offset.data(), out);
+    gemm::detail::store_tile<R>(out, rn, std::min(TB, x.m - tb * TB), y + tb * TB * ys + rb, ys);
+  });
 }
 #endif
 

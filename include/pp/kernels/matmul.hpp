@@ -175,21 +175,20 @@ inline void matmul(ThreadPool& pool, const MatView& w, const float* x, std::size
     return;
   }
 #endif
+  const bool fast_bf16 = path.fast_float && w.type == DType::BF16 && gemm::kHaveFastBf16;
 #if PP_HAVE_AMX
-  if (bulk && amx::applies(w) && !(path.fast_float && w.type == DType::BF16 && gemm::kHaveFastBf16))
-    return matmul_amx<A>(pool, w, x, m, y);
+  if (bulk && amx::applies(w) && !fast_bf16) return matmul_amx<A>(pool, w, x, m, y);
 #endif
   if (bulk && gemm::applies(w)) {
     // Packed once per call by the pool into the caller's buffer (grown to the largest call, then reused).
     static thread_local gemm::PackedX tls;
     gemm::PackedX& px = tls;
-    const bool fast = path.fast_float && w.type == DType::BF16 && gemm::kHaveFastBf16;
-    gemm::prepare(px, m, w.cols, fast);
+    gemm::prepare(px, m, w.cols, fast_bf16);
     pool.parallel_for(px.blocks(), [&](std::size_t b, std::size_t e, unsigned) { gemm::pack_blocks(x, px, b, e); });
     pool.parallel_for(n_tasks, [&](std::size_t b, std::size_t e, unsigned) {
       const std::size_t r0 = b * kGrain, r1 = std::min(e * kGrain, w.rows);
 #if defined(__AVX512BF16__)
-      if (fast) return gemm::matmul_packed_bf16(w, px, y, r0, r1);
+      if (fast_bf16) return gemm::matmul_packed_bf16(w, px, y, r0, r1);
 #endif
       gemm::matmul_packed<A>(w, px, y, r0, r1);
     });
