@@ -20,10 +20,10 @@ fi
 
 seconds=${1:-300}
 jobs=${PP_FUZZ_JOBS:-$(nproc)}
-targets=(${PP_FUZZ_TARGETS:-fuzz_gguf fuzz_tokenizer fuzz_frame fuzz_worker_request})
+targets=(${PP_FUZZ_TARGETS:-fuzz_gguf fuzz_tokenizer fuzz_frame fuzz_worker_request fuzz_mux fuzz_http})
 ninja -C "$build" fuzz || { echo "build $build failed"; exit 1; }
-declare -A max_len=([fuzz_gguf]=131072 [fuzz_tokenizer]=4096 [fuzz_frame]=16384 [fuzz_worker_request]=8192)
-declare -A dict=([fuzz_gguf]=gguf [fuzz_tokenizer]=tokenizer [fuzz_frame]=frame [fuzz_worker_request]=worker_request)
+declare -A max_len=([fuzz_gguf]=131072 [fuzz_tokenizer]=4096 [fuzz_frame]=16384 [fuzz_worker_request]=8192 [fuzz_mux]=16384 [fuzz_http]=16384)
+declare -A dict=([fuzz_gguf]=gguf [fuzz_tokenizer]=tokenizer [fuzz_frame]=frame [fuzz_worker_request]=worker_request [fuzz_mux]=frame [fuzz_http]=http)
 logs=$build/fuzz-logs; artifacts=$build/fuzz-artifacts/$(date +%Y%m%d-%H%M%S)
 mkdir -p "$logs" "$artifacts"
 export PP_TEST_DATA=$PWD/tests/data PP_SHARED_FIXTURES=${PP_SHARED_FIXTURES:-$PWD/../shared/fixtures}

@@ -3,6 +3,7 @@
 // Errors print one line on stderr and exit 2. Unlike the parser, this tool knows Llama's tensor
 // names: it needs them to say which tensors a pipeline stage would map.
 #include <pp/core/error.hpp>
+#include <pp/core/printable.hpp>
 #include <pp/io/gguf.hpp>
 #include <pp/io/mmap.hpp>
 
@@ -27,28 +28,9 @@ constexpr std::size_t kStringPreview = 96;  // bytes of a string shown before el
 
 double mib(uint64_t bytes) { return double(bytes) / (1024.0 * 1024.0); }
 
-// A string made printable on one line: control and non-ASCII bytes escaped, long ones elided.
+// A string made printable on one line, quoted: control and non-ASCII bytes escaped, long ones elided.
 std::string quoted(std::string_view s, std::size_t max_bytes = kStringPreview) {
-  std::string out = "\"";
-  const std::size_t n = std::min(s.size(), max_bytes);
-  for (std::size_t i = 0; i < n; ++i) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += char(c);
-    } else if (c == '\n') {
-      out += "\\n";
-    } else if (c < 32 || c >= 127) {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\x%02x", c);
-      out += buf;
-    } else {
-      out += char(c);
-    }
-  }
-  out += '"';
-  if (s.size() > n) out += "... (" + std::to_string(s.size()) + " bytes)";
-  return out;
+  return "\"" + pp::printable(s, max_bytes) + "\"";
 }
 
 std::string fmt_double(double v) {
@@ -183,7 +165,7 @@ void print_stages(const std::vector<StagePlan>& plans, uint64_t total) {
                 i, role, p.begin, p.end, p.tensors.size(), p.bytes, mib(p.bytes));
     std::string others;
     for (const auto* t : p.tensors)
-      if (block_of(t->name) < 0) others += " " + t->name;
+      if (block_of(t->name) < 0) others += " " + pp::printable(t->name);
     std::printf("    outside blocks:%s\n", others.empty() ? " (none)" : others.c_str());
   }
 }
@@ -200,7 +182,7 @@ int run_info(const InfoOptions& opt) {
 
   std::printf("\nmetadata (%zu):\n", f.kv.size());
   for (const auto& [key, v] : f.kv)
-    std::printf("  %-40s %-6s %s\n", key.c_str(), pp::gguf::value_type_name(v.type), format_value(v).c_str());
+    std::printf("  %-40s %-6s %s\n", pp::printable(key).c_str(), pp::gguf::value_type_name(v.type), format_value(v).c_str());
 
   std::printf("\ntensors (%zu):\n", f.tensors.size());
   std::printf("  %-40s %-8s %-24s %12s %12s\n", "name", "type", "shape", "bytes", "offset");
@@ -211,7 +193,7 @@ int run_info(const InfoOptions& opt) {
   Total all;
   for (const auto& t : f.tensors) {
     const char* type = pp::gguf::type_name(t.type);
-    std::printf("  %-40s %-8s %-24s %12" PRIu64 " %12" PRIu64 "\n", t.name.c_str(), type,
+    std::printf("  %-40s %-8s %-24s %12" PRIu64 " %12" PRIu64 "\n", pp::printable(t.name).c_str(), type,
                 format_shape(t).c_str(), t.n_bytes, t.offset);
     for (Total* tot : {&per_type[type], &all}) {
       tot->count += 1;

@@ -582,6 +582,7 @@ int run(const Cli& c) {
     options.max_connections = static_cast<std::size_t>(c.max_connections);
     options.timeouts = pp::net::Timeouts{timeout, seconds_to_millis(c.idle_timeout_s)};
     options.peer_role = "peer";
+    options.refuse = pp::net::ModelWorker::refuse;  // busy, said in version 2
     return run_model(c, options, timeout);
   }
   if (!c.cuts.empty()) throw UsageError{"--cuts needs --model (the placeholder has two stages: use --cut)"};

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -33,6 +34,7 @@
 #include "pp/net/channel.hpp"
 #include "pp/net/model_frame.hpp"
 #include "pp/net/placeholder.hpp"
+#include "pp/net/server.hpp"
 #include "pp/net/socket.hpp"
 
 namespace {
@@ -467,6 +469,180 @@ TEST(Auth, SilentUnauthenticatedConnectionIsDroppedAtTheStallTimeout) {
   EXPECT_LT(Clock::now() - t0, 1s + pp::test::slack(2s));  // --timeout 1, and the host's reaction time
 }
 
+// ================================================================ slots: trickling peers cannot hold a worker
+
+// The first bytes of a well-formed AUTH step 1 (the header a key holder would send), to trickle.
+std::vector<uint8_t> auth_header_bytes() {
+  pp::net::ModelHeader h;
+  h.type = pp::net::kTypeAuth, h.seq = pp::net::kAuthChallenge, h.payload_bytes = pp::net::kNonceBytes;
+  const auto b = pp::net::encode_model_header(h);
+  return {b.begin(), b.end()};
+}
+
+// Sends one byte to each socket every `every` until stopped: each byte is progress, none completes a frame.
+class Trickler {
+ public:
+  Trickler(uint16_t port, std::size_t n, Millis every) {
+    const std::vector<uint8_t> head = auth_header_bytes();
+    for (std::size_t i = 0; i < n; ++i) socks_.push_back(std::make_unique<RawSocket>(port));
+    thread_ = std::thread([this, head, every] {
+      for (std::size_t k = 0; !stop_.load(); ++k) {
+        for (auto& s : socks_) s->send({head[k % head.size()]});  // a closed one just fails
+        ++rounds_;
+        for (auto t = Clock::now(); Clock::now() - t < every && !stop_.load();) std::this_thread::sleep_for(10ms);
+      }
+    });
+  }
+  ~Trickler() {
+    stop_.store(true);
+    thread_.join();
+  }
+  std::size_t connected() const {
+    return std::size_t(std::count_if(socks_.begin(), socks_.end(), [](const auto& s) { return s->connected(); }));
+  }
+  bool wait_rounds(std::size_t n, Millis guard) const {
+    const auto deadline = Clock::now() + pp::test::slack(guard);
+    while (rounds_.load() < n)
+      if (Clock::now() > deadline) return false;
+      else std::this_thread::sleep_for(10ms);
+    return true;
+  }
+
+ private:
+  std::vector<std::unique_ptr<RawSocket>> socks_;
+  std::atomic<bool> stop_{false};
+  std::atomic<std::size_t> rounds_{0};
+  std::thread thread_;
+};
+
+// Issue 16, finding 1: 256 connections each sending a header byte every few seconds used to hold every
+// slot of a keyed worker (--timeout 10), and a coordinator with the right key failed.
+TEST(Slots, TricklingStrangersCannotKeepAKeyHolderOut) {
+  const auto& f = files();
+  NodeWorker w = worker(golden(), {"--psk-file", f.key1, "--timeout", "10"});
+  ASSERT_TRUE(w.proc);
+  Trickler attack(w.port, pp::net::kDefaultMaxConnections, 1s);
+  EXPECT_EQ(attack.connected(), pp::net::kDefaultMaxConnections);
+  ASSERT_TRUE(attack.wait_rounds(3, 30s));
+  // An authenticated STATUS gets in at once (the spec: within 1 s, scaled to this host).
+  const auto t0 = Clock::now();
+  const auto st = pp::test::worker_status(w.port, &key1());
+  const auto took = Clock::now() - t0;
+  ASSERT_FALSE(st.empty()) << "the key holder was kept out";
+  EXPECT_EQ(st.count("fingerprint"), 1u);
+  EXPECT_LT(took, pp::test::slack(1s)) << std::chrono::duration_cast<Millis>(took).count() << " ms";
+  std::cerr << "[ figures  ] key holder's STATUS answered in " << std::chrono::duration_cast<Millis>(took).count()
+            << " ms under " << attack.connected() << " trickling connections\n";
+  // And a whole authenticated run, while the trickle goes on.
+  const auto r = run(node({"--coordinator", w.addr(), "--model", golden(), "--psk-file", f.key1, "--prompt-ids",
+                           "1,2", "--tokens", "4", "--threads", "1", "--verify", "all"}));
+  expect_passed(r, 4, 4);
+  EXPECT_TRUE(w.proc->running());
+  // The log says why strangers were closed, a bounded number of lines (not one per connection).
+  const std::string err = w.proc->err();
+  EXPECT_TRUE(contains(err, "closed to make room: newer unauthenticated connections arrived")) << err;
+  EXPECT_LT(std::count(err.begin(), err.end(), '\n'), 100) << err;
+}
+
+// A trickled key exchange ends at kAuthBudget from the connect, however steady the trickle.
+TEST(Slots, AKeyExchangeTrickledByteByByteEndsAtTheAuthBudget) {
+  const auto& f = files();
+  NodeWorker w = worker(golden(), {"--psk-file", f.key1, "--timeout", "10"});
+  ASSERT_TRUE(w.proc);
+  RawSocket s(w.port);
+  ASSERT_TRUE(s.connected());
+  const auto t0 = Clock::now();
+  std::atomic<bool> stop{false};
+  std::thread drip([&] {  // header then nonce, one byte every 250 ms: ~15 s for the whole frame
+    std::vector<uint8_t> frame = auth_header_bytes();
+    frame.resize(frame.size() + pp::net::kNonceBytes, 7);
+    for (std::size_t i = 0; i < frame.size() && !stop.load(); ++i) {
+      if (!s.send({frame[i]})) break;
+      std::this_thread::sleep_for(250ms);
+    }
+  });
+  const bool closed = s.closed_by_peer(pp::net::kAuthBudget + 5s);
+  const auto took = Clock::now() - t0;
+  stop.store(true);
+  drip.join();
+  EXPECT_TRUE(closed);
+  EXPECT_LT(took, pp::net::kAuthBudget + pp::test::slack(2s)) << std::chrono::duration_cast<Millis>(took).count() << " ms";
+  EXPECT_GE(took, pp::net::kAuthBudget - 100ms);
+  EXPECT_TRUE(contains(w.proc->err(), "authentication must be done within 5.0 s of connecting")) << w.proc->err();
+}
+
+// Without a key, a frame header started must be complete within --timeout, whatever the pace.
+TEST(Slots, AHeaderTrickledPastTheTimeoutIsDropped) {
+  NodeWorker w = worker(golden(), {"--timeout", "1"});
+  ASSERT_TRUE(w.proc);
+  RawSocket s(w.port);
+  ASSERT_TRUE(s.connected());
+  pp::net::ModelHeader h;
+  h.type = pp::net::kTypeStatus;
+  const auto head = pp::net::encode_model_header(h);
+  std::atomic<bool> stop{false};
+  const auto t0 = Clock::now();
+  std::thread drip([&] {  // 40 bytes at 200 ms: 8 s, each byte well within the 1 s stall timeout
+    for (std::size_t i = 0; i < head.size() && !stop.load(); ++i) {
+      if (!s.send({head[i]})) break;
+      std::this_thread::sleep_for(200ms);
+    }
+  });
+  const bool closed = s.closed_by_peer(6s);
+  const auto took = Clock::now() - t0;
+  stop.store(true);
+  drip.join();
+  EXPECT_TRUE(closed);
+  EXPECT_LT(took, 1s + pp::test::slack(1500ms)) << std::chrono::duration_cast<Millis>(took).count() << " ms";
+}
+
+// Issue 16, finding 5: a worker over --max-connections said "busy" in the version-1 layout, and the
+// coordinator reported "speaks version 1 (a placeholder worker ...)".
+TEST(Slots, BusyIsSaidInTheVersionTheWorkerSpeaks) {
+  const auto& f = files();
+  for (const bool keyed : {false, true}) {
+    SCOPED_TRACE(keyed ? "with a key" : "without a key");
+    std::vector<std::string> extra{"--max-connections", "2"};
+    if (keyed) extra.insert(extra.end(), {"--psk-file", f.key1});
+    NodeWorker w = worker(golden(), extra);
+    ASSERT_TRUE(w.proc);
+    V2Client a(w.port), b(w.port);  // two proven connections hold both slots
+    for (V2Client* c : {&a, &b}) {
+      if (keyed) {
+        ASSERT_TRUE(c->authenticate(key1()));
+      }
+      ASSERT_EQ(c->status().count("fingerprint"), 1u);
+    }
+    std::vector<std::string> argv = node({"--coordinator", w.addr(), "--model", golden(), "--prompt-ids", "1,2",
+                                          "--tokens", "2", "--threads", "1"});
+    if (keyed) argv.insert(argv.end(), {"--psk-file", f.key1});
+    const auto r = run(argv);
+    EXPECT_EQ(r.code, 3);
+    EXPECT_TRUE(contains(r.err, "worker busy: 2 connections open (limit 2)")) << r.err;
+    EXPECT_FALSE(contains(r.err, "version 1")) << r.err;
+    EXPECT_FALSE(contains(r.err, "placeholder")) << r.err;
+  }
+}
+
+// Issue 16, finding 7: PP_NODE_PSK stayed readable in /proc/PID/environ although it was unset.
+TEST(Auth, KeyFromTheEnvironmentIsWipedFromProcEnviron) {
+  Process p(with_env_key(kKey1, node({"--worker", "--model", golden(), "--host", "127.0.0.1", "--port", "0",
+                                      "--threads", "1"})));
+  ASSERT_TRUE(p.started() && p.wait_output("  (Ctrl-C to stop)", 10s)) << p.err();
+  std::smatch m;
+  const std::string out = p.out();
+  ASSERT_TRUE(std::regex_search(out, m, std::regex("listening on 127\\.0\\.0\\.1:(\\d+)")));
+  const auto port = static_cast<uint16_t>(std::stoi(m[1]));
+  std::ifstream env("/proc/" + std::to_string(p.pid()) + "/environ", std::ios::binary);
+  const std::string block((std::istreambuf_iterator<char>(env)), std::istreambuf_iterator<char>());
+  ASSERT_FALSE(block.empty());
+  EXPECT_EQ(block.find(kKey1), std::string::npos) << "the key is readable in /proc/PID/environ";
+  EXPECT_EQ(block.find("correct horse"), std::string::npos);
+  // The key itself still works.
+  const auto st = pp::test::worker_status(port, &key1());
+  EXPECT_EQ(st.count("fingerprint"), 1u);
+}
+
 TEST(Auth, KeySourcesAndUsageErrors) {
   const auto& f = files();
   {  // too short: exit 2, the source named, the key not printed
@@ -552,6 +728,32 @@ TEST(Bounds, SessionsAtAndPastMaxSessions) {
   const auto r = run(node({"--coordinator", w.addr(), "--model", golden(), "--prompt-ids", "1,2", "--tokens", "4",
                            "--threads", "1", "--verify", "all"}));
   expect_passed(r, 4, 4);
+}
+
+// Issue 16, finding 8: a non-finite residual in a FWD is refused naming the position, not computed on.
+TEST(Bounds, NonFiniteRowsAreRefusedNamingThePosition) {
+  NodeWorker w = worker(golden());
+  ASSERT_TRUE(w.proc);
+  for (const float bad : {std::nanf(""), INFINITY}) {
+    V2Client c(w.port);
+    const auto wel = handshake(c, hello_for(golden(), w.port, 2, 4, 2), 5);
+    ASSERT_TRUE(wel);
+    ASSERT_EQ(wel->m.type, pp::net::kTypeWelcome) << wel->text();
+    pp::net::ModelHeader f;
+    f.type = pp::net::kTypeFwd, f.session = 5, f.layer_lo = 2, f.layer_hi = 4, f.rows = 3, f.pos = 0;
+    std::vector<float> rows(3 * 64, 0.125f);
+    rows[1 * 64 + 7] = bad;
+    std::vector<uint8_t> bytes(rows.size() * 4);
+    std::memcpy(bytes.data(), rows.data(), bytes.size());
+    ASSERT_TRUE(c.send_frame(f, bytes));
+    const auto e = c.read_frame(5s);
+    ASSERT_TRUE(e);
+    EXPECT_EQ(e->m.type, pp::net::kTypeErr);
+    EXPECT_TRUE(contains(e->text(), std::string("FWD seq 0: row 1 (position 1), column 7 is ") +
+                                        (std::isnan(bad) ? "NaN" : "+inf") + ": hidden states must be finite"))
+        << e->text();
+  }
+  EXPECT_TRUE(w.proc->running());
 }
 
 TEST(Bounds, CtxAndFwdRowsAtAndPastMaxCtx) {

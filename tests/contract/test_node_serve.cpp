@@ -3,6 +3,9 @@
 // A synthetic model with the real Llama-3 vocabulary (../shared/fixtures; skipped without it) is served by
 // pp_node processes; an httplib::Client talks to the coordinator. Tokens are compared with pp::LocalPipeline
 // (pp_generate's loop) under the same sampling seed; the workers' session counts come from their STATUS.
+#include <signal.h>
+#include <sys/socket.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -25,6 +28,7 @@
 
 #include "../../tools/common/synth.hpp"
 #include "../common/fixtures.hpp"
+#include "../common/http_bad_bodies.hpp"
 #include "../common/node_process.hpp"
 #include "node/chat_template.hpp"
 #include "node/worker_status.hpp"
@@ -883,6 +887,266 @@ TEST(ServeChat, TerminalChatStreamsRepliesAndKeepsTheConversation) {
   const auto turn2 = generate(feed2);
   const std::string expect = "> " + text_of(turn1) + "\n\n> " + text_of(turn2) + "\n";
   EXPECT_NE(r.out.find(expect), std::string::npos) << "expected\n" << expect << "\nin\n" << r.out;
+}
+
+// ================================================================ the HTTP front (issue 16)
+
+using pp::test::RawSocket;
+
+std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
+
+// Everything the server sends until it closes, or until `quiet` passes without a byte (scaled).
+std::string read_until_close(RawSocket& s, Millis quiet) {
+  std::string out;
+  char buf[65536];
+  for (;;) {
+    pollfd p{s.fd(), POLLIN, 0};
+    if (::poll(&p, 1, int(pp::test::slack(quiet).count())) <= 0) return out;
+    const ssize_t n = ::recv(s.fd(), buf, sizeof buf, 0);
+    if (n <= 0) return out;
+    out.append(buf, std::size_t(n));
+  }
+}
+
+// Every status code in a stream of responses ("HTTP/1.1 NNN").
+std::vector<int> statuses(const std::string& raw) {
+  std::vector<int> out;
+  const std::regex re(R"(HTTP/1\.[01] (\d{3}) )");
+  for (auto it = std::sregex_iterator(raw.begin(), raw.end(), re); it != std::sregex_iterator(); ++it)
+    out.push_back(std::stoi((*it)[1]));
+  return out;
+}
+
+double health_seconds(const Pipeline& p, int* status = nullptr) {
+  const auto t0 = Clock::now();
+  auto c = p.client(30s);
+  const auto r = c->Get("/health");
+  if (status) *status = r ? r->status : 0;
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+long rss_kib(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("VmRSS:", 0) == 0) return std::stol(line.substr(6));
+  return -1;
+}
+
+// 200 connections trickling a header line a second and 100 that sent half a head hold nothing: /health
+// answers within max(1 s, 20x its baseline) all along, and the trickling connections are closed (408) at
+// the 10 s head deadline although their bytes keep coming.
+TEST(ServeHttpFront, TricklingConnectionsDoNotDelayHealth) {
+  REQUIRE_MODEL();
+  auto p = start_pipeline(1, {"--cuts", "3"});
+  ASSERT_TRUE(p);
+  std::vector<double> base;
+  for (int i = 0; i < 5; ++i) base.push_back(health_seconds(*p));
+  std::sort(base.begin(), base.end());
+  const double bound = std::max(1.0, 20 * base[2]);
+  const auto t0 = Clock::now();
+  std::vector<std::unique_ptr<RawSocket>> trickle, partial;
+  for (int i = 0; i < 200; ++i) {
+    for (int tries = 0; tries < 3 && (trickle.size() == std::size_t(i) || !trickle.back()->connected()); ++tries) {
+      if (trickle.size() > std::size_t(i)) trickle.pop_back();
+      trickle.push_back(std::make_unique<RawSocket>(p->port));
+    }
+    ASSERT_TRUE(trickle.back()->connected());
+    trickle.back()->send(bytes("POST /v1/completions HTTP/1.1\r\n"));
+  }
+  for (int i = 0; i < 100; ++i) {
+    partial.push_back(std::make_unique<RawSocket>(p->port));
+    partial.back()->send(bytes("GET /health HTTP/1.1\r\nHost: x\r\nX-Half: "));
+  }
+  double worst = 0;
+  int line = 0, status = 0;
+  // Until the deadline has passed for every trickling connection: a line each a second, /health meanwhile.
+  while (Clock::now() - t0 < 12s) {
+    const auto round = Clock::now();
+    for (auto& s : trickle) s->send(bytes("X-Line-" + std::to_string(line) + ": 1\r\n"));
+    ++line;
+    while (Clock::now() - round < 1s) {
+      worst = std::max(worst, health_seconds(*p, &status));
+      EXPECT_EQ(status, 200);
+      std::this_thread::sleep_for(200ms);
+    }
+  }
+  std::cout << "[ info ] /health under 300 stalled connections: worst " << worst * 1000 << " ms (baseline "
+            << base[2] * 1000 << " ms, bound " << bound * 1000 << " ms)" << std::endl;
+  EXPECT_LT(worst, bound) << "/health waited behind trickling connections";
+  // The head deadline (10 s, not extended by the trickle): each one was answered 408 and closed.
+  std::size_t closed = 0, got_408 = 0;
+  for (auto& s : trickle) {
+    const std::string r = read_until_close(*s, 5s);
+    got_408 += r.rfind("HTTP/1.1 408", 0) == 0;
+    closed += s->closed_by_peer(1s) ? 1 : 0;
+  }
+  EXPECT_EQ(got_408, trickle.size());
+  EXPECT_TRUE(p->coordinator->wait_stderr("timed out in the request head", 5s)) << p->coordinator->err();
+  EXPECT_NE(p->coordinator->err().find("pp_node: info: http GET /health 200"), std::string::npos);
+}
+
+// Content-Length is strict, and a refusal comes from the head at once, the body never waited for.
+TEST_F(ServeTwoStages, StrictContentLengthIsAnsweredFromTheHead) {
+  const std::vector<std::pair<std::string, int>> cases = {
+      {"Content-Length: 2\r\nContent-Length: 2\r\n", 400},
+      {"Content-Length: abc\r\n", 400},
+      {"Content-Length: -1\r\n", 400},
+      {"Content-Length: 99999999999999999999999\r\n", 413},
+      {"Content-Length: 9000000\r\n", 413},
+      {"Transfer-Encoding: chunked\r\n", 411},
+  };
+  for (const auto& [headers, want] : cases) {
+    RawSocket s(p().port);
+    ASSERT_TRUE(s.send(bytes("POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + headers + "\r\n")));
+    const auto t0 = Clock::now();
+    const std::string r = read_until_close(s, 5s);
+    EXPECT_LT(Clock::now() - t0, pp::test::slack(3s)) << headers;
+    ASSERT_FALSE(statuses(r).empty()) << headers << " -> no answer";
+    EXPECT_EQ(statuses(r)[0], want) << headers << " -> " << r;
+    EXPECT_NE(r.find("\"error\""), std::string::npos) << r;
+  }
+}
+
+// Bodies as curl -d sends them (form-encoded), CORS, and the status of every bad body.
+TEST_F(ServeTwoStages, FormBodiesCorsAndNo5xxForBadBodies) {
+  auto c = p().client();
+  const std::string big = json{{"prompt", "The capital of France is"}, {"max_tokens", 3}, {"temperature", 0},
+                               {"padding", std::string(20000, 'x')}, {"return_tokens", true}}.dump();
+  const auto form = c->Post("/v1/completions", big, "application/x-www-form-urlencoded");
+  ASSERT_TRUE(form);
+  EXPECT_EQ(form->status, 200) << form->body;
+  EXPECT_EQ(tokens_of(json::parse(form->body)), reference(encode("The capital of France is"), 3));
+  EXPECT_EQ(form->get_header_value("Access-Control-Allow-Origin"), "*");
+
+  httplib::Headers pre = {{"Origin", "http://page.example"}, {"Access-Control-Request-Method", "POST"},
+                          {"Access-Control-Request-Headers", "content-type, authorization"}};
+  const auto opt = c->Options("/v1/chat/completions", pre);
+  ASSERT_TRUE(opt);
+  EXPECT_EQ(opt->status, 204);
+  EXPECT_EQ(opt->get_header_value("Access-Control-Allow-Origin"), "*");
+  EXPECT_NE(opt->get_header_value("Access-Control-Allow-Methods").find("POST"), std::string::npos);
+  EXPECT_EQ(opt->get_header_value("Access-Control-Allow-Headers"), "content-type, authorization");
+  for (const char* path : {"/health", "/v1/models", "/metrics", "/nowhere"}) {
+    const auto r = c->Get(path);
+    ASSERT_TRUE(r) << path;
+    EXPECT_EQ(r->get_header_value("Access-Control-Allow-Origin"), "*") << path;
+  }
+
+  std::size_t n = 0;
+  c->set_keep_alive(true);  // one connection for them all (thousands of closed ones would crowd the port space)
+  c->set_tcp_nodelay(true);  // the body is a second write: without it, each request waits for a delayed ACK
+  for (const std::string& body : pp::test::bad_bodies())
+    for (const char* path : {"/v1/completions", "/v1/chat/completions"}) {
+      const auto r = c->Post(path, body, "application/json");
+      ASSERT_TRUE(r) << path << " " << body.substr(0, 100);
+      EXPECT_LT(r->status, 500) << path << " " << body.substr(0, 100) << " -> " << r->body;
+      if (r->status >= 400) {
+        const json j = json::parse(r->body);
+        EXPECT_FALSE(j["error"].value("message", "").empty());
+        EXPECT_EQ(j["error"].value("message", "").find("[json.exception"), std::string::npos) << j.dump();
+      }
+      ++n;
+    }
+  // The fuzz target's seeds (tests/fuzz/corpus/fuzz_http: raw requests, some pipelined), as raw bytes.
+  const fs::path seeds = "tests/fuzz/corpus/fuzz_http";
+  if (!fs::exists(seeds)) GTEST_SKIP() << "run from the repository root to send " << seeds;
+  for (const auto& e : fs::directory_iterator(seeds)) {
+    RawSocket s(p().port);
+    ASSERT_TRUE(s.send(bytes(pp::test::read_text_file(e.path()))));
+    const std::string r = read_until_close(s, 2s);
+    for (int st : statuses(r)) EXPECT_LT(st, 500) << e.path() << " -> " << r.substr(0, 400);
+    EXPECT_FALSE(statuses(r).empty()) << e.path();
+  }
+  std::cout << "[ info ] " << n << " bad bodies, none answered 5xx" << std::endl;
+}
+
+// 100 hostile 8 MB bodies (nested arrays, a long number, a wide array) are refused before a DOM is built
+// and leave the server's RSS within 50 MB of where it was.
+TEST(ServeHttpFront, HostileBodiesDoNotGrowMemory) {
+  REQUIRE_MODEL();
+  auto p = start_pipeline(1, {"--cuts", "3"});
+  ASSERT_TRUE(p);
+  constexpr std::size_t kSize = 8'000'000;
+  const std::string nested = "{\"x\": " + std::string(kSize / 2 - 20, '[') + std::string(kSize / 2 - 20, ']') + ", \"prompt\": \"hi\"}";
+  const std::string number = "{\"prompt\": \"hi\", \"temperature\": " + std::string(kSize - 40, '7') + "}";
+  std::string wide = "{\"prompt\": \"hi\", \"x\": [0";
+  while (wide.size() < kSize - 10) wide += ",0";
+  wide += "]}";
+  std::string objects = "{\"prompt\": \"hi\", \"x\": [";
+  while (objects.size() < kSize - 20) objects += "{\"a\":[1,{\"b\":2}]},";
+  objects += "{}]}";
+  const std::vector<const std::string*> bodies = {&nested, &number, &wide, &objects};
+  auto c = p->client();
+  for (const char* warm : {R"({"prompt":"warm","max_tokens":2})", R"({"prompt":[1,2],"max_tokens":2})"})
+    ASSERT_EQ(c->Post("/v1/completions", warm, "application/json")->status, 200);
+  for (const std::string* b : bodies) c->Post("/v1/completions", *b, "application/json");
+  const long before = rss_kib(p->coordinator->pid());
+  ASSERT_GT(before, 0);
+  long peak = before;
+  for (int i = 0; i < 100; ++i) {
+    const std::string& b = *bodies[std::size_t(i) % bodies.size()];
+    const auto r = c->Post(i % 2 ? "/v1/completions" : "/v1/chat/completions", b, "application/json");
+    ASSERT_TRUE(r) << i;
+    EXPECT_EQ(r->status, 400) << i << " " << r->body;
+    EXPECT_NE(r->body.find("limit"), std::string::npos) << r->body;
+    peak = std::max(peak, rss_kib(p->coordinator->pid()));
+  }
+  const long after = rss_kib(p->coordinator->pid());
+  std::cout << "[ info ] coordinator RSS: " << before / 1024 << " MiB before, " << after / 1024 << " MiB after 100 hostile "
+            << "bodies (peak seen " << peak / 1024 << " MiB)" << std::endl;
+  EXPECT_LT(after - before, 50 * 1024) << "RSS grew from " << before << " KiB to " << after << " KiB";
+}
+
+// /health probes the chain itself: a stopped worker turns it 503, the same worker continued turns it 200
+// again, without any generation request.
+TEST(ServeHttpFront, HealthFollowsAStoppedWorkerWithoutTraffic) {
+  REQUIRE_MODEL();
+  auto p = start_pipeline(1, {"--cuts", "3"});
+  ASSERT_TRUE(p);
+  auto wait_health = [&](int want, Millis timeout, std::string* body = nullptr) {
+    const auto deadline = Clock::now() + pp::test::slack(timeout);
+    for (;;) {
+      auto c = p->client(10s);
+      const auto r = c->Get("/health");
+      if (r && r->status == want) {
+        if (body) *body = r->body;
+        return true;
+      }
+      if (Clock::now() > deadline) return false;
+      std::this_thread::sleep_for(200ms);
+    }
+  };
+  ASSERT_TRUE(wait_health(200, 5s));
+  ::kill(p->workers[0]->pid(), SIGSTOP);
+  std::string down;
+  EXPECT_TRUE(wait_health(503, 10s, &down)) << "a stopped worker was not noticed";
+  EXPECT_NE(down.find("STATUS"), std::string::npos) << down;
+  ::kill(p->workers[0]->pid(), SIGCONT);
+  EXPECT_TRUE(wait_health(200, 10s)) << "/health stayed 503 after the worker came back";
+  const Reply r = post(*p, "/v1/completions", R"({"prompt":"back","max_tokens":3,"temperature":0,"return_tokens":true})");
+  EXPECT_EQ(r.status, 200) << r.raw;
+}
+
+// A taken --http-port is reported with the reason, before the pipeline loads (the worker here does not exist).
+TEST(ServeHttpFront, TakenPortIsReportedBeforeLoading) {
+  REQUIRE_MODEL();
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(::listen(fd, 4), 0);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  const std::string port = std::to_string(ntohs(a.sin_port));
+  const pp::test::RunResult r = pp::test::run_process(
+      {node_bin(), "--coordinator", "127.0.0.1:1", "--model", model().path, "--serve", "--http-port", port, "--threads", "1"},
+      20s);
+  ::close(fd);
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find("--http-port " + port + ": cannot bind: Address already in use"), std::string::npos) << r.out << r.err;
+  EXPECT_EQ(r.out.find("loading:"), std::string::npos) << "the pipeline loaded before the port was bound:\n" << r.out;
 }
 
 }  // namespace

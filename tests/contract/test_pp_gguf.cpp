@@ -156,6 +156,46 @@ TEST(PpGgufInfo, CorruptFileExits2WithOneLine) {
   expect_error(pp_gguf({"info", write_file("magic.gguf", bytes).string()}), "gguf: bad magic");
 }
 
+// Issue 16, finding 7: key and tensor names from an untrusted file reached the terminal raw (ESC sequences,
+// control bytes), and a NUL cut the line short. They are printed escaped, in `info` and in parser errors.
+TEST(PpGgufInfo, NamesFromTheFileAreEscapedEverywhereTheyArePrinted) {
+  using namespace std::string_literals;
+  const std::string esc_key = "evil.\x1b]0;pwned\x07.key\0tail"s;
+  const std::string esc_tensor = "blk.0.\x1b[2J\x9b" "31m\r\nx\0y.weight"s;
+  const std::string esc_other = "\x1b[31mrogue\x7f"s;  // not a block tensor: listed by name in the stage layout
+  Writer w;
+  w.add_string("general.architecture", "llama");
+  w.add_u32("llama.block_count", 2);
+  w.add_u32(esc_key, 7);
+  const std::vector<float> zeros(16, 0.0f);
+  w.add_tensor(esc_tensor, TensorType::F32, {16}, zeros.data(), 64);
+  w.add_tensor(esc_other, TensorType::F32, {16}, zeros.data(), 64);
+  const fs::path p = write_file("escapes.gguf", w.bytes());
+  const ToolRun r = pp_gguf({"info", p.string(), "--stages", "2"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  for (const std::string* s : {&r.out, &r.err}) {
+    for (char c : *s) {
+      const auto u = static_cast<unsigned char>(c);
+      EXPECT_TRUE(c == '\n' || (u >= 0x20 && u < 0x7f)) << "raw byte 0x" << std::hex << int(u) << " printed";
+    }
+  }
+  EXPECT_THAT(r.out, HasSubstr("evil.\\x1b]0;pwned\\x07.key\\x00tail"));
+  EXPECT_THAT(r.out, HasSubstr("blk.0.\\x1b[2J\\x9b31m\\x0d\\nx\\x00y.weight"));
+  EXPECT_THAT(r.out, HasSubstr(" \\x1b[31mrogue\\x7f"));
+  // A parser error about the same name: a duplicate tensor.
+  Writer d;
+  d.add_string("general.architecture", "llama");
+  d.add_tensor(esc_tensor, TensorType::F32, {16}, zeros.data(), 64);
+  d.add_tensor(esc_tensor, TensorType::F32, {16}, zeros.data(), 64);
+  const ToolRun e = pp_gguf({"info", write_file("dup.gguf", d.bytes()).string()});
+  EXPECT_EQ(e.status, 2);
+  EXPECT_THAT(e.err, HasSubstr("tensor 'blk.0.\\x1b[2J\\x9b31m\\x0d\\nx\\x00y.weight': duplicate tensor name"));
+  for (char c : e.err) {
+    const auto u = static_cast<unsigned char>(c);
+    EXPECT_TRUE(c == '\n' || (u >= 0x20 && u < 0x7f)) << "raw byte 0x" << std::hex << int(u) << " printed";
+  }
+}
+
 TEST(PpGgufInfo, UsageErrorsExit2) {
   expect_error(pp_gguf({"info", (scratch() / "missing.gguf").string()}), "cannot open");
   expect_error(pp_gguf({}), "subcommand");

@@ -290,6 +290,21 @@ TEST(Ops, ForwardRangeOnMiddle) {
   expect_stub_hidden(w.call(forward_req("forward_range", 6, 0, 4, sample_hidden(4))), 6, 4);
 }
 
+// Issue 16, finding 8: a non-finite hidden state is refused naming its position; the stage keeps serving.
+TEST(Ops, NonFiniteHiddenStateIsRefusedNamingThePosition) {
+  for (const int stage : {1, 2}) {
+    Worker w(stub_env(stage, 3));
+    w.ready();
+    std::string raw = b64::decode(sample_hidden(3));
+    raw[2 * (16 + 5)] = char(0xc0), raw[2 * (16 + 5) + 1] = char(0x7f);  // row 1, column 5: bf16 NaN
+    const char* op = stage == 1 ? "forward_range" : "forward_and_sample";
+    expect_error(w.call(forward_req(op, 8, 40, 3, b64::encode(raw))), 8,
+                 "row 1 (position 41), column 5 is NaN (bf16 0x7fc0): hidden states must be finite");
+    const json ok = w.call(forward_req(op, 9, 40, 3, sample_hidden(3)));
+    EXPECT_FALSE(ok.contains("error")) << ok.dump();
+  }
+}
+
 TEST(Ops, ForwardAndSampleOnLast) {
   Worker w(stub_env(2, 3));
   w.ready();

@@ -30,6 +30,7 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <set>
 #include <string>
@@ -570,6 +571,74 @@ void worker_seeds(const fs::path& dir) {
   std::printf("fuzz_worker_request: %zu seeds\n", lines.size());
 }
 
+// fuzz_mux: what follows the target's fixed HELLO (mux=1, connection 0x0123456789abcdef, the last stage
+// [1, 4) of golden-tiny: n_embd 64, ctx 64): OPEN / BATCH / CLOSE / STATUS streams.
+void mux_seeds(const fs::path& dir) {
+  namespace net = pp::net;
+  constexpr uint64_t kConn = 0x0123456789abcdefull;
+  constexpr uint32_t kEmbd = 64;
+  std::size_t n = 0;
+  auto frame = [](uint8_t type, uint64_t session, uint32_t seq, const Bytes& payload, uint32_t rows = 0, uint64_t pos = 0) {
+    net::ModelHeader m;
+    m.type = type, m.session = session, m.seq = seq, m.layer_lo = 1, m.layer_hi = 4, m.rows = rows, m.pos = pos;
+    m.payload_bytes = uint32_t(payload.size());
+    const auto h = net::encode_model_header(m);
+    Bytes b(h.begin(), h.end());
+    b.insert(b.end(), payload.begin(), payload.end());
+    return b;
+  };
+  auto open = [&](uint64_t s, const std::string& sampling) {
+    return frame(net::kTypeOpen, s, 0, Bytes(sampling.begin(), sampling.end()));
+  };
+  auto batch = [&](uint32_t seq, const std::vector<net::BatchEntry>& es) {
+    Bytes p = net::encode_batch_table(es);
+    uint32_t rows = 0;
+    for (const auto& e : es) rows += e.rows;
+    for (uint32_t i = 0; i < rows * kEmbd; ++i) {
+      const float x = float(int(i % 61) - 30) / 64.0f;
+      const auto* b = reinterpret_cast<const uint8_t*>(&x);
+      p.insert(p.end(), b, b + 4);
+    }
+    return frame(net::kTypeBatch, kConn, seq, p, rows);
+  };
+  auto cat = [](std::initializer_list<Bytes> parts) {
+    Bytes out;
+    for (const Bytes& b : parts) out.insert(out.end(), b.begin(), b.end());
+    return out;
+  };
+  auto seed = [&](const std::string& name, const Bytes& b) {
+    write_file(dir / name, b);
+    ++n;
+  };
+  pp::SamplingParams greedy, sampled;
+  sampled.temperature = 0.8, sampled.top_k = 40, sampled.top_p = 0.9, sampled.seed = 7;
+  const std::string g = net::encode_sampling(greedy), t = net::encode_sampling(sampled);
+  seed("open-batch-close", cat({open(5, g), batch(1, {{5, 0, 3, 0}}), batch(2, {{5, 3, 1, 0}}), frame(net::kTypeClose, 5, 0, {})}));
+  seed("two-sessions", cat({open(5, g), open(6, t), batch(1, {{5, 0, 2, 0}, {6, 0, 4, 0}}), batch(2, {{6, 4, 1, 0}, {5, 2, 1, 0}}),
+                            frame(net::kTypeClose, 6, 0, {}), batch(3, {{5, 3, 1, 0}})}));
+  seed("status", frame(net::kTypeStatus, kConn, 0, {}));
+  seed("batch-unknown-session", batch(1, {{9, 0, 1, 0}}));
+  seed("open-twice", cat({open(5, g), open(5, g)}));
+  seed("open-reserved", cat({open(0, g), open(kConn, g)}));
+  seed("open-bad-sampling", open(5, "temperature=-1\ntop_k=abc\n"));
+  seed("batch-past-ctx", cat({open(5, g), batch(1, {{5, 62, 4, 0}})}));
+  seed("batch-duplicate-entry", cat({open(5, g), batch(1, {{5, 0, 1, 0}, {5, 1, 1, 0}})}));
+  seed("close-unknown-and-keepalive", cat({frame(net::kTypeClose, 77, 0, {}), frame(net::kTypeClose, 0, 0, {})}));
+  {
+    Bytes nan_rows = cat({open(5, g), batch(1, {{5, 0, 2, 0}})});
+    const float bad = std::numeric_limits<float>::quiet_NaN();
+    std::memcpy(nan_rows.data() + nan_rows.size() - 4 * 10, &bad, 4);
+    seed("batch-nan", nan_rows);
+  }
+  {
+    Bytes truncated = cat({open(5, g), batch(1, {{5, 0, 2, 0}})});
+    truncated.resize(truncated.size() - 7);
+    seed("batch-truncated", truncated);
+  }
+  seed("fwd-on-mux", frame(net::kTypeFwd, kConn, 0, Bytes(kEmbd * 4, 0), 1));
+  std::printf("fuzz_mux: %zu seeds\n", n);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -579,13 +648,14 @@ int main(int argc, char** argv) {
   }
   try {
     const fs::path out = argv[1], data = argv[2];
-    for (const char* t : {"fuzz_gguf", "fuzz_tokenizer", "fuzz_frame", "fuzz_worker_request"})
+    for (const char* t : {"fuzz_gguf", "fuzz_tokenizer", "fuzz_frame", "fuzz_worker_request", "fuzz_mux"})
       fs::remove_all(out / "corpus" / t);
     gguf_seeds(out / "corpus" / "fuzz_gguf", data);
     gguf_dict(out / "gguf.dict", data);
     tokenizer_seeds(out / "corpus" / "fuzz_tokenizer", data);
     frame_seeds(out / "corpus" / "fuzz_frame");
     worker_seeds(out / "corpus" / "fuzz_worker_request");
+    mux_seeds(out / "corpus" / "fuzz_mux");
   } catch (const std::exception& e) {
     std::fprintf(stderr, "make_seeds: %s\n", e.what());
     return 1;

@@ -143,15 +143,49 @@ TEST(Wire, Bf16RoundsToNearestEvenAndKeepsNaN) {
   EXPECT_EQ(at(4), 0xff80);
 }
 
-TEST(Wire, F16OverflowBecomesInfinity) {
+// Beyond the half range a value is sent as an infinity (the spec); a worker receiving one refuses it.
+TEST(Wire, F16OverflowBecomesInfinityAndIsRefusedOnDecode) {
   std::vector<uint16_t> scratch;
   std::vector<float> rows;
-  const float values[] = {70000.0f, -1.5f};
+  const float values[] = {-1.5f, 70000.0f};
   std::string b64;
   append_hidden_b64(b64, values, 2, WireDtype::f16, scratch);
-  decode_hidden_b64(b64, 1, 2, WireDtype::f16, scratch, rows);
-  EXPECT_TRUE(std::isinf(rows[0]));
-  EXPECT_EQ(rows[1], -1.5f);
+  EXPECT_EQ(scratch[1], 0x7c00);
+  try {
+    decode_hidden_b64(b64, 1, 2, WireDtype::f16, scratch, rows, 9);
+    FAIL() << "an infinity was accepted";
+  } catch (const pp::RequestError& e) {
+    EXPECT_STREQ(e.what(), "field 'hidden_b64': row 0 (position 9), column 1 is +inf (f16 0x7c00): hidden states "
+                           "must be finite");
+  }
+}
+
+// Issue 16, finding 8: a NaN or infinity in a hidden state sampled token 0 and poisoned later positions.
+TEST(Wire, NonFiniteValuesAreRefusedNamingRowPositionAndColumn) {
+  std::vector<uint16_t> scratch;
+  std::vector<float> rows;
+  for (const WireDtype dt : {WireDtype::bf16, WireDtype::f16}) {
+    for (const float bad : {std::nanf(""), -INFINITY}) {
+      std::vector<float> v(3 * 4, 0.25f);
+      v[2 * 4 + 3] = bad;
+      std::string b64;
+      append_hidden_b64(b64, v.data(), v.size(), dt, scratch);
+      try {
+        decode_hidden_b64(b64, 3, 4, dt, scratch, rows, 100);
+        FAIL() << "accepted";
+      } catch (const pp::RequestError& e) {
+        const std::string what = e.what();
+        EXPECT_NE(what.find("row 2 (position 102), column 3 is " + std::string(std::isnan(bad) ? "NaN" : "-inf")),
+                  std::string::npos) << what;
+      }
+    }
+    // Finite extremes pass: the largest finite value, the smallest subnormal, negative zero.
+    const float ok[] = {dt == WireDtype::f16 ? 65504.0f : 3.0e38f, -0.0f, dt == WireDtype::f16 ? 6e-8f : 1e-40f};
+    std::string b64;
+    append_hidden_b64(b64, ok, 3, dt, scratch);
+    decode_hidden_b64(b64, 1, 3, dt, scratch, rows, 0);
+    EXPECT_TRUE(std::isfinite(rows[0]) && std::isfinite(rows[2]));
+  }
 }
 
 TEST(Wire, LengthMismatchBothWaysNamesTheNumbers) {

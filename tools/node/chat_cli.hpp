@@ -20,12 +20,31 @@ struct ChatOptions {
   bool ignore_eos = false;
 };
 
+// The ids of one user line: the whole chat so far on the first turn (system message, user turn), else the
+// user's turn alone (after the end of turn a reply cut by max tokens lacks), then the assistant's header.
+// The line is text: special tokens in it are not parsed (encode_chat).
+inline std::vector<int32_t> chat_turn_ids(const Tokenizer& tok, const ChatTemplate& tmpl, const std::string& system,
+                                          const std::string& line, bool first, bool close_turn) {
+  ChatPieces pieces;
+  if (first) {
+    const std::string bos = tok.bos() == kNoTokenId ? std::string() : std::string(tok.token_text(tok.bos()));
+    std::vector<ChatMessage> msgs;
+    if (!system.empty()) msgs.push_back({"system", system});
+    msgs.push_back({"user", line});
+    pieces = render_chat_pieces(tmpl, msgs, bos);
+  } else {
+    if (close_turn) add_template(pieces, "<|eot_id|>");
+    render_turn(pieces, "user", line);
+    add_template(pieces, kAssistantHeader);
+  }
+  return encode_chat(tok, pieces);
+}
+
 // Reads lines from `in` until EOF, an empty line or *stop; returns the exit status. The conversation's
 // session stays open between turns, so each turn feeds only its new tokens.
 inline int run_chat(ServeEngine& engine, const ChatTemplate& tmpl, const ChatOptions& o, std::istream& in,
                     std::ostream& out, const std::atomic<bool>* stop) {
   const Tokenizer& tok = *engine.tokenizer();
-  const std::string bos = tok.bos() == kNoTokenId ? std::string() : std::string(tok.token_text(tok.bos()));
   out << "chat: " << tmpl.description << "\n"
       << "type a message and Enter; an empty line or Ctrl-D ends the chat, /reset starts a new conversation\n";
   auto conv = std::make_shared<Conversation>();
@@ -43,21 +62,13 @@ inline int run_chat(ServeEngine& engine, const ChatTemplate& tmpl, const ChatOpt
       out << "(new conversation)\n";
       continue;
     }
-    std::string text;
-    if (first) {
-      std::vector<ChatMessage> msgs;
-      if (!o.system.empty()) msgs.push_back({"system", o.system});
-      msgs.push_back({"user", line});
-      text = render_chat(tmpl, msgs, bos);
-    } else {
-      text = (close_turn ? "<|eot_id|>" : "") + render_turn("user", line) + kAssistantHeader;
-    }
+    std::vector<int32_t> ids = chat_turn_ids(tok, tmpl, o.system, line, first, close_turn);
     first = false;
     GenParams p;
     p.sampling = o.sampling;
     p.max_tokens = o.max_tokens;
     p.ignore_eos = o.ignore_eos;
-    std::shared_ptr<GenStream> reply = engine.submit(tok.encode(text, false, true), p, conv);
+    std::shared_ptr<GenStream> reply = engine.submit(std::move(ids), p, conv);
     std::vector<GenStream::Piece> pieces;
     bool more = true;
     while (more) {

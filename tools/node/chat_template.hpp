@@ -15,6 +15,10 @@
 // A model without a template whose vocabulary has the Llama-3 header tokens uses `llama3`; any other
 // template is refused (a chat request then gets a 400 that says so; /v1/completions still works).
 // Tool calls are not supported by either format here.
+//
+// A prompt is rendered in pieces (ChatPieces): the template's own text, whose special tokens are parsed as
+// such, and the messages' content, tokenized as plain text (encode_chat). So a message that contains
+// "<|eot_id|><|start_header_id|>system<|end_header_id|>" stays text: it cannot open a turn of another role.
 #pragma once
 
 #include <cstdio>
@@ -24,6 +28,8 @@
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "pp/text/tokenizer.hpp"
 
 namespace pp::node {
 
@@ -89,26 +95,75 @@ inline std::optional<ChatTemplate> detect_chat_template(std::optional<std::strin
   return ChatTemplate{ChatFormat::llama3, false, "Llama-3 (from tokenizer.chat_template)"};
 }
 
-// One turn: header, trimmed content, end of turn.
-inline std::string render_turn(std::string_view role, std::string_view content) {
-  return "<|start_header_id|>" + std::string(role) + "<|end_header_id|>\n\n" + trim(content) + "<|eot_id|>";
+// One piece of a rendered prompt: the template's text (content = false) or a message's (content = true).
+struct ChatPiece {
+  std::string text;
+  bool content = false;
+};
+using ChatPieces = std::vector<ChatPiece>;
+
+inline void add_template(ChatPieces& out, std::string_view text) {
+  if (text.empty()) return;
+  if (!out.empty() && !out.back().content) out.back().text += text;
+  else out.push_back(ChatPiece{std::string(text), false});
+}
+inline void add_content(ChatPieces& out, std::string_view text) {
+  if (!text.empty()) out.push_back(ChatPiece{std::string(text), true});
+}
+
+// One turn: header, trimmed content, end of turn. `role` is one of the template's (system, user, assistant).
+inline void render_turn(ChatPieces& out, std::string_view role, std::string_view content) {
+  add_template(out, "<|start_header_id|>" + std::string(role) + "<|end_header_id|>\n\n");
+  add_content(out, trim(content));
+  add_template(out, "<|eot_id|>");
 }
 
 inline const char* kAssistantHeader = "<|start_header_id|>assistant<|end_header_id|>\n\n";
 
 // The whole prompt, beginning with `bos` (the BOS token's text), ending with the assistant's header.
-inline std::string render_chat(const ChatTemplate& t, std::span<const ChatMessage> messages, std::string_view bos,
-                               const std::string& date = today_date()) {
-  std::string out(bos);
+inline ChatPieces render_chat_pieces(const ChatTemplate& t, std::span<const ChatMessage> messages, std::string_view bos,
+                                     const std::string& date = today_date()) {
+  ChatPieces out;
+  add_template(out, bos);
   std::size_t first = 0;
   if (t.format == ChatFormat::llama3_dated) {
     std::string system;
     if (!messages.empty() && messages[0].role == "system") system = trim(messages[0].content), first = 1;
-    out += "<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\nToday Date: " +
-           (t.today ? date : std::string("26 Jul 2024")) + "\n\n" + system + "<|eot_id|>";
+    add_template(out, "<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\nToday Date: " +
+                          (t.today ? date : std::string("26 Jul 2024")) + "\n\n");
+    add_content(out, system);
+    add_template(out, "<|eot_id|>");
   }
-  for (std::size_t i = first; i < messages.size(); ++i) out += render_turn(messages[i].role, messages[i].content);
-  return out + kAssistantHeader;
+  for (std::size_t i = first; i < messages.size(); ++i) render_turn(out, messages[i].role, messages[i].content);
+  add_template(out, kAssistantHeader);
+  return out;
+}
+
+inline std::string concat(const ChatPieces& pieces) {
+  std::string s;
+  for (const ChatPiece& p : pieces) s += p.text;
+  return s;
+}
+
+// The pieces' text as one string (what the Jinja template renders).
+inline std::string render_turn(std::string_view role, std::string_view content) {
+  ChatPieces p;
+  render_turn(p, role, content);
+  return concat(p);
+}
+inline std::string render_chat(const ChatTemplate& t, std::span<const ChatMessage> messages, std::string_view bos,
+                               const std::string& date = today_date()) {
+  return concat(render_chat_pieces(t, messages, bos, date));
+}
+
+// The token ids of a rendered prompt: the template's special tokens as such, the content as plain text.
+inline std::vector<int32_t> encode_chat(const Tokenizer& tok, const ChatPieces& pieces) {
+  std::vector<int32_t> ids;
+  for (const ChatPiece& p : pieces) {
+    const std::vector<int32_t> part = tok.encode(p.text, false, !p.content);
+    ids.insert(ids.end(), part.begin(), part.end());
+  }
+  return ids;
 }
 
 }  // namespace pp::node

@@ -1,31 +1,43 @@
-// pp_node --serve: the OpenAI-compatible HTTP server (cpp-httplib) in front of the serving engine.
+// pp_node --serve: the OpenAI-compatible HTTP routes in front of the serving engine (the connections, the
+// event loop and the handler threads are tools/node/http_front.hpp).
 //
 //   POST /v1/completions, /v1/chat/completions   (stream: true -> server-sent events, ending "data: [DONE]")
-//   GET  /v1/models, /v1/models/{id}, /health, /metrics (Prometheus text)
+//   GET  /v1/models, /v1/models/{id}, /health, /metrics (Prometheus text); OPTIONS on any path (CORS)
 //
-// Each request runs on one of the server's threads and reads its own GenStream, so a client that reads
-// slowly only slows its own response; a client that goes away cancels its generation (its sessions are
-// closed on every stage). A streamed response notices at its next write (a ": keep-alive" comment every 2 s
-// when idle); a non-streamed one that has not finished within a second commits a 200 and writes a space
-// (leading JSON whitespace) every second until its body, so an error after that second is reported in the
-// body of the 200. Errors are OpenAI-style JSON with their status code.
+// /health, /v1/models, OPTIONS and the 404/405 answers come from the event loop itself, so they never wait
+// behind generations. /health answers from the engine's link and the latest STATUS probe of every worker,
+// made by a background thread at most once a second while /health is being asked (so a worker that comes
+// back is seen without any generation request). Generations and /metrics run on the handler threads.
+//
+// Each generation reads its own GenStream, so a client that reads slowly only slows its own response; a
+// client that goes away cancels its generation (its sessions are closed on every stage). A streamed
+// response notices at its next write or look at the socket (a ": keep-alive" comment every 2 s when idle);
+// a non-streamed one that has not finished within a second commits a 200 and writes a space (leading JSON
+// whitespace) every second until its body, so an error after that second is reported in the body of the
+// 200. Errors are OpenAI-style JSON with their status code.
 #pragma once
+
+#include <malloc.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <ctime>
 #include <functional>
 #include <future>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <random>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
-#include <httplib.h>
 #include <nlohmann/json.hpp>
 
+#include "node/http_front.hpp"
 #include "node/openai_api.hpp"
 #include "node/serve_engine.hpp"
 #include "node/worker_status.hpp"
@@ -36,52 +48,120 @@ namespace pp::node {
 struct HttpOptions {
   std::string host = "127.0.0.1";
   int port = 8080;              // 0: an ephemeral port (printed)
-  std::size_t threads = 64;     // connections served at once (a streamed response holds one)
+  std::size_t threads = 64;     // handler threads: requests served at once (a streamed response holds one)
   std::string model_id;         // what /v1/models lists and responses name
-  net::Millis status_timeout{1000};  // /metrics: how long each worker's STATUS may take
+  net::Millis status_timeout{1000};  // /metrics and the /health probe: how long each worker's STATUS may take
   Authenticate authenticate;          // for those STATUS connections, when the workers require a key
 };
 
+// ---- routing (no engine needed: tests/fuzz/fuzz_http.cpp runs it) ----
+
+enum class Route { completions, chat, models, model, health, metrics, options, not_found, wrong_method };
+
+struct RouteMatch {
+  Route route = Route::not_found;
+  std::string allow;     // wrong_method: the methods the path takes
+  std::string model_id;  // model: the {id}
+};
+
+inline RouteMatch match_route(std::string_view method, std::string_view path) {
+  struct Known {
+    std::string_view path;
+    const char* method;
+    Route route;
+  };
+  static constexpr Known kKnown[] = {{"/v1/completions", "POST", Route::completions},
+                                     {"/v1/chat/completions", "POST", Route::chat},
+                                     {"/v1/models", "GET", Route::models},
+                                     {"/health", "GET", Route::health},
+                                     {"/metrics", "GET", Route::metrics}};
+  if (method == "OPTIONS") return {Route::options, {}, {}};
+  const bool get = method == "GET" || method == "HEAD";
+  for (const Known& k : kKnown)
+    if (path == k.path) {
+      if (method == k.method || (get && std::string_view(k.method) == "GET")) return {k.route, {}, {}};
+      return {Route::wrong_method, k.method == std::string_view("GET") ? "GET, HEAD" : "POST", {}};
+    }
+  constexpr std::string_view kModel = "/v1/models/";
+  if (path.size() > kModel.size() && path.substr(0, kModel.size()) == kModel) {
+    if (get) return {Route::model, {}, std::string(path.substr(kModel.size()))};
+    return {Route::wrong_method, "GET, HEAD", {}};
+  }
+  return {};
+}
+
+inline std::string json_text(const json& body) { return body.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+inline ApiError api_error(int status, std::string message, std::string type = "invalid_request_error") {
+  ApiError e;
+  e.status = status;
+  e.message = std::move(message);
+  e.type = std::move(type);
+  return e;
+}
+
+inline HttpResponse json_response(int status, const json& body) {
+  HttpResponse r;
+  r.status = status;
+  r.content_type = "application/json";
+  r.body = json_text(body);
+  return r;
+}
+
+inline HttpResponse error_response(const ApiError& e) { return json_response(e.status, error_body(e)); }
+
+// The answers that need no engine: CORS preflight, 404, 405. nullopt for the other routes.
+inline std::optional<HttpResponse> simple_response(const HttpRequest& q, const RouteMatch& m) {
+  if (m.route == Route::options) {
+    HttpResponse r;
+    r.status = 204;
+    // The headers the page asks for, when they are plain header names; else the ones OpenAI clients send.
+    std::string headers = "Authorization, Content-Type";
+    if (const std::string* h = q.header("access-control-request-headers"); h && !h->empty() && h->size() < 1024 &&
+        std::all_of(h->begin(), h->end(), [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == ',' || c == ' '; }))
+      headers = *h;
+    r.headers = {{"Allow", "GET, HEAD, POST, OPTIONS"},
+                 {"Access-Control-Allow-Methods", "GET, HEAD, POST, OPTIONS"},
+                 {"Access-Control-Allow-Headers", headers},
+                 {"Access-Control-Max-Age", "86400"}};
+    return r;
+  }
+  if (m.route == Route::not_found)
+    return error_response(api_error(404, "no such endpoint: " + printable(q.method, 32) + " " + printable(q.path) +
+                                             " (POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics)"));
+  if (m.route == Route::wrong_method) {
+    HttpResponse r = error_response(api_error(405, "method " + printable(q.method, 32) + " is not allowed on " + printable(q.path) +
+                                                       " (allowed: " + m.allow + ")"));
+    r.headers.emplace_back("Allow", m.allow);
+    return r;
+  }
+  return std::nullopt;
+}
+
 class HttpServer {
  public:
-  HttpServer(ServeEngine& engine, ApiContext api, HttpOptions o) : engine_(engine), api_(std::move(api)), o_(std::move(o)) {
-    const std::size_t n = o_.threads;
-    svr_.new_task_queue = [n] { return new httplib::ThreadPool(n); };
-    svr_.set_tcp_nodelay(true);  // each streamed token leaves at once
-    svr_.set_payload_max_length(8u << 20);
-    svr_.set_keep_alive_timeout(5);
-    svr_.set_read_timeout(30);
-    svr_.set_write_timeout(30);
-    routes();
+  // `front` is bound already (serve.hpp binds it before the pipeline loads).
+  HttpServer(ServeEngine& engine, ApiContext api, HttpOptions o, HttpFront& front)
+      : engine_(engine), api_(std::move(api)), o_(std::move(o)), front_(front) {}
+  ~HttpServer() {
+    {
+      std::lock_guard lock(probe_mu_);
+      probe_stop_ = true;
+    }
+    probe_cv_.notify_all();
+    if (prober_.joinable()) prober_.join();
   }
 
-  // Binds; returns the port (the ephemeral one when o.port is 0). Throws when the address is taken.
-  int bind() {
-    const int port = o_.port == 0 ? svr_.bind_to_any_port(o_.host) : (svr_.bind_to_port(o_.host, o_.port) ? o_.port : -1);
-    if (port <= 0) throw Error("--http-host " + o_.host + " --http-port " + std::to_string(o_.port) + ": cannot bind");
-    return port;
-  }
   // Serves until stop().
-  void run() { svr_.listen_after_bind(); }
-  void stop() { svr_.stop(); }
+  void run() {
+    prober_ = std::thread([this] { probe_loop(); });
+    front_.run([this](const HttpRequest& q) { return on_loop(q); },
+               [this](HttpRequest& q, Responder& r) { on_handler(q, r); });
+  }
+  void stop() { front_.stop(); }
 
  private:
-  static std::string dump(const json& body) { return body.dump(-1, ' ', false, json::error_handler_t::replace); }
-
-  static void send_json(httplib::Response& res, int status, const json& body) {
-    res.status = status;
-    res.set_content(dump(body), "application/json");
-  }
-
-  static void send_error(httplib::Response& res, const ApiError& e) { send_json(res, e.status, error_body(e)); }
-
-  static ApiError server_error(int status, std::string message, std::string type = "server_error") {
-    ApiError e;
-    e.status = status;
-    e.message = std::move(message);
-    e.type = std::move(type);
-    return e;
-  }
+  using Clock = std::chrono::steady_clock;
 
   std::string new_id(const char* prefix) {
     static constexpr char kAlnum[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
@@ -91,71 +171,114 @@ class HttpServer {
     return s;
   }
 
-  void routes() {
-    using httplib::Request;
-    using httplib::Response;
-    svr_.Post("/v1/completions", [this](const Request& q, Response& r) { generate(q, r, false); });
-    svr_.Post("/v1/chat/completions", [this](const Request& q, Response& r) { generate(q, r, true); });
-    svr_.Get("/v1/models", [this](const Request&, Response& r) { send_json(r, 200, {{"object", "list"}, {"data", {model_json()}}}); });
-    svr_.Get(R"(/v1/models/(.+))", [this](const Request& q, Response& r) {
-      if (q.matches[1] == o_.model_id) return send_json(r, 200, model_json());
-      ApiError e = server_error(404, "the model '" + std::string(q.matches[1]) + "' does not exist; this server serves '" +
-                                         o_.model_id + "'", "invalid_request_error");
-      e.code = "model_not_found";
-      send_error(r, e);
-    });
-    svr_.Get("/health", [this](const Request&, Response& r) { health(r); });
-    svr_.Get("/metrics", [this](const Request&, Response& r) { r.set_content(metrics_text(), "text/plain; version=0.0.4"); });
-
-    // The other methods on known paths: 405 with Allow.
-    const std::vector<std::pair<std::string, std::string>> allowed = {
-        {"/v1/completions", "POST"}, {"/v1/chat/completions", "POST"}, {"/v1/models", "GET"},
-        {R"(/v1/models/(.+))", "GET"}, {"/health", "GET"}, {"/metrics", "GET"}};
-    for (const auto& [path, allow] : allowed) {
-      auto h = [allow](const Request& q, Response& r) {
-        r.set_header("Allow", allow);
-        send_error(r, server_error(405, "method " + q.method + " is not allowed on " + q.path + " (allowed: " + allow + ")",
-                                   "invalid_request_error"));
-      };
-      if (allow != "POST") svr_.Post(path, h);
-      if (allow != "GET") svr_.Get(path, h);
-      svr_.Put(path, h);
-      svr_.Delete(path, h);
-      svr_.Patch(path, h);
-    }
-    svr_.set_error_handler([](const Request& q, Response& r) {
-      if (!r.body.empty()) return;
-      if (r.status == 404)
-        send_error(r, server_error(404, "no such endpoint: " + q.method + " " + q.path +
-                                            " (POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics)",
-                                   "invalid_request_error"));
-      else if (r.status == 413)
-        send_error(r, server_error(413, "the request body is larger than 8 MiB", "invalid_request_error"));
-      else
-        send_error(r, server_error(r.status, "HTTP " + std::to_string(r.status), "invalid_request_error"));
-    });
-    svr_.set_exception_handler([](const Request&, Response& r, std::exception_ptr ep) {
-      std::string what = "internal error";
-      try {
-        std::rethrow_exception(ep);
-      } catch (const std::exception& e) {
-        what = e.what();
-      } catch (...) {
+  // On the event loop: everything but generations and /metrics.
+  std::optional<HttpResponse> on_loop(const HttpRequest& q) {
+    const RouteMatch m = match_route(q.method, q.path);
+    if (auto r = simple_response(q, m)) return r;
+    switch (m.route) {
+      case Route::models:
+        return json_response(200, {{"object", "list"}, {"data", {model_json()}}});
+      case Route::model: {
+        if (m.model_id == o_.model_id) return json_response(200, model_json());
+        ApiError e = api_error(404, "the model '" + printable(m.model_id) + "' does not exist; this server serves '" +
+                                        o_.model_id + "'");
+        e.code = "model_not_found";
+        return error_response(e);
       }
-      send_error(r, server_error(500, what));
-    });
+      case Route::health:
+        return health();
+      default:
+        return std::nullopt;
+    }
   }
+
+  // On a handler thread.
+  void on_handler(HttpRequest& q, Responder& res) {
+    const RouteMatch m = match_route(q.method, q.path);
+    if (m.route == Route::metrics) {
+      res.send(200, "text/plain; version=0.0.4", metrics_text());
+      return;
+    }
+    generate(q, res, m.route == Route::chat);
+  }
+
+  static void send(Responder& res, const HttpResponse& r) { res.send(r.status, r.content_type, r.body, r.headers); }
 
   json model_json() const {
     return {{"id", o_.model_id}, {"object", "model"}, {"created", started_}, {"owned_by", "pp"},
             {"context_length", api_.ctx}};
   }
 
-  void health(httplib::Response& r) {
+  // ---- /health ----
+
+  struct Probe {
+    bool ok = false;
+    std::string error;
+    uint64_t epoch = 0;    // the engine's link when the probe started
+    bool link_up = false;  // ... and whether it was up
+    Clock::time_point started;
+  };
+
+  // 200 while the chain answers: the link is up and the latest probe of this link (if any) found every
+  // worker answering STATUS; or the link is down but a probe made since found every worker answering (the
+  // next request reconnects). Else 503 with the reason.
+  HttpResponse health() {
     const EngineMetrics m = engine_.metrics();
-    if (m.link_up) return send_json(r, 200, {{"status", "ok"}, {"stages", engine_.n_stages()}, {"sessions", m.sessions_active}});
-    send_json(r, 503, {{"status", "unavailable"}, {"error", m.link_error.empty() ? "the pipeline is not connected" : m.link_error}});
+    std::optional<Probe> p;
+    {
+      std::lock_guard lock(probe_mu_);
+      asked_ = Clock::now();
+      p = probe_;
+    }
+    probe_cv_.notify_all();
+    const bool fresh = p && Clock::now() - p->started < std::chrono::seconds(5) && p->epoch == m.link_epoch;
+    auto up = [&](const char* how) {
+      return json_response(200, {{"status", "ok"}, {"stages", engine_.n_stages()}, {"sessions", m.sessions_active},
+                                 {"link", how}});
+    };
+    auto down = [&](const std::string& why) { return json_response(503, {{"status", "unavailable"}, {"error", why}}); };
+    if (m.link_up) {
+      if (fresh && !p->ok) return down(p->error);
+      return up("connected");
+    }
+    if (fresh && p->ok && !p->link_up) return up("every worker answers; the next request reconnects the chain");
+    if (fresh && !p->ok) return down(p->error);
+    return down(m.link_error.empty() ? "the pipeline is not connected" : m.link_error);
   }
+
+  // While /health is asked (within the last 30 s): a STATUS round to every worker, at most one a second.
+  void probe_loop() {
+    std::unique_lock lock(probe_mu_);
+    for (;;) {
+      probe_cv_.wait(lock, [&] { return probe_stop_ || Clock::now() - asked_ < std::chrono::seconds(30); });
+      if (probe_stop_) return;
+      lock.unlock();
+      Probe p;
+      p.started = Clock::now();
+      const EngineMetrics m = engine_.metrics();
+      p.epoch = m.link_epoch;
+      p.link_up = m.link_up;
+      std::vector<std::future<std::string>> asks;
+      for (const net::Hop& h : engine_.hops())
+        asks.push_back(std::async(std::launch::async, [this, peer = h.peer]() -> std::string {
+          try {
+            query_status(peer, o_.status_timeout, o_.authenticate);
+            return {};
+          } catch (const std::exception& e) {
+            return e.what();
+          }
+        }));
+      p.ok = true;
+      for (auto& a : asks)
+        if (std::string why = a.get(); !why.empty() && p.ok) p.ok = false, p.error = "STATUS probe: " + why;
+      lock.lock();
+      probe_ = p;
+      probe_cv_.wait_until(lock, p.started + std::chrono::seconds(1), [&] { return probe_stop_; });
+      if (probe_stop_) return;
+    }
+  }
+
+  // ---- generations ----
 
   static constexpr std::chrono::seconds kKeepAlive{1};  // a non-streamed request's wait, then its space interval
 
@@ -172,7 +295,7 @@ class HttpServer {
   // A finished non-streamed generation's status and body: the whole completion, or the error.
   static std::pair<int, json> whole_response(const ApiRequest& r, const ResponseMeta& meta, const GenStream& out,
                                              const std::vector<GenStream::Piece>& pieces) {
-    if (out.finish() == Finish::error) return {503, error_body(server_error(503, out.error()))};
+    if (out.finish() == Finish::error) return {503, error_body(api_error(503, out.error(), "server_error"))};
     std::string text;
     std::vector<int32_t> tokens;
     for (const auto& p : pieces) {
@@ -186,101 +309,87 @@ class HttpServer {
   // space (JSON allows leading whitespace) is written every second until the body; a client that went away
   // is noticed (a failed write, or the connection seen closed) and its generation cancelled. An error from
   // then on is the body of the 200.
-  static void generate_whole(ApiRequest r, const ResponseMeta& meta, std::shared_ptr<GenStream> out,
-                             httplib::Response& res) {
-    auto pieces = std::make_shared<std::vector<GenStream::Piece>>();
-    if (collect(*out, *pieces, kKeepAlive)) {
-      const auto [status, body] = whole_response(r, meta, *out, *pieces);
-      return send_json(res, status, body);
+  static void generate_whole(const ApiRequest& r, const ResponseMeta& meta, GenStream& out, Responder& res) {
+    std::vector<GenStream::Piece> pieces;
+    if (collect(out, pieces, kKeepAlive)) {
+      const auto [status, body] = whole_response(r, meta, out, pieces);
+      send(res, json_response(status, body));
+      return;
     }
-    // "; charset=utf-8": httplib compresses a plain "application/json" for clients that accept gzip, and
-    // the compressor would hold the spaces back instead of writing them.
-    res.set_chunked_content_provider(
-        "application/json; charset=utf-8",
-        [r = std::move(r), meta, out, pieces](std::size_t, httplib::DataSink& sink) {
-          // Up to a second for the end, looking every 100 ms for a closed connection (is_writable peeks at
-          // the socket without writing); then a space.
-          const auto until = std::chrono::steady_clock::now() + kKeepAlive;
-          while (std::chrono::steady_clock::now() < until) {
-            if (collect(*out, *pieces, std::chrono::milliseconds(100))) {
-              const std::string body = dump(whole_response(r, meta, *out, *pieces).second);
-              if (!sink.write(body.data(), body.size())) return false;
-              sink.done();
-              return true;
-            }
-            if (!sink.is_writable()) return false;  // the client went away
-          }
-          return sink.write(" ", 1);
-        },
-        [out](bool success) {
-          if (!success || !out->done()) out->cancel();  // the client went away
-        });
+    if (!res.begin_stream(200, "application/json; charset=utf-8")) return out.cancel();
+    for (;;) {
+      // Up to a second for the end, looking every 100 ms for a closed connection; then a space.
+      const auto until = std::chrono::steady_clock::now() + kKeepAlive;
+      while (std::chrono::steady_clock::now() < until) {
+        if (collect(out, pieces, std::chrono::milliseconds(100))) {
+          if (!res.write(json_text(whole_response(r, meta, out, pieces).second))) return;
+          res.end_stream();
+          return;
+        }
+        if (res.peer_gone()) return out.cancel();
+      }
+      if (!res.write(" ")) return out.cancel();
+    }
   }
 
-  void generate(const httplib::Request& q, httplib::Response& res, bool chat) {
+  static void generate_stream(const ApiRequest& r, const ResponseMeta& meta, GenStream& out, Responder& res) {
+    auto last_write = std::chrono::steady_clock::now();
+    auto write = [&](const std::string& s) {
+      last_write = std::chrono::steady_clock::now();
+      return res.write(s);
+    };
+    if (!res.begin_stream(200, "text/event-stream", {{"Cache-Control", "no-cache"}, {"X-Accel-Buffering", "no"}}))
+      return out.cancel();
+    if (r.chat && !write(sse(chunk(r, meta, "", {}, std::nullopt, true)))) return out.cancel();
+    std::vector<GenStream::Piece> pieces;
+    for (;;) {
+      pieces.clear();
+      const bool more = out.next(pieces, std::chrono::milliseconds(250));
+      for (const auto& p : pieces)
+        if (!p.text.empty() || (r.return_tokens && !p.tokens.empty()))
+          if (!write(sse(chunk(r, meta, p.text, p.tokens, std::nullopt)))) return out.cancel();
+      if (!more) break;
+      // A comment now and then, and a look at the socket: a client that went away is noticed while idle.
+      if (std::chrono::steady_clock::now() - last_write > std::chrono::seconds(2) && !write(": keep-alive\n\n"))
+        return out.cancel();
+      if (pieces.empty() && res.peer_gone()) return out.cancel();
+    }
+    const Finish f = out.finish();
+    if (f == Finish::error) {
+      write(sse(error_body(api_error(503, out.error(), "server_error"))));
+    } else {
+      if (!write(sse(chunk(r, meta, "", {}, f)))) return;
+      if (r.include_usage && !write(sse(usage_chunk(r, meta, out.prompt_tokens(), out.completion_tokens())))) return;
+    }
+    write("data: [DONE]\n\n");
+    res.end_stream();
+  }
+
+  void generate(HttpRequest& q, Responder& res, bool chat) {
     ApiRequest r;
     try {
       r = parse_request(q.body, chat, api_);
     } catch (const ApiError& e) {
-      return send_error(res, e);
+      release_body(q);
+      return send(res, error_response(e));
     } catch (const Error& e) {  // the tokenizer refused the text
-      return send_error(res, server_error(400, e.what(), "invalid_request_error"));
+      release_body(q);
+      return send(res, error_response(api_error(400, e.what())));
     }
+    release_body(q);
     const ResponseMeta meta{new_id(chat ? "chatcmpl-" : "cmpl-"), int64_t(std::time(nullptr)), o_.model_id};
     std::shared_ptr<GenStream> out = engine_.submit(r.prompt, r.gen);
-    if (!r.stream) return generate_whole(std::move(r), meta, std::move(out), res);
-    struct StreamState {
-      ApiRequest r;
-      ResponseMeta meta;
-      std::shared_ptr<GenStream> out;
-      bool started = false;
-      std::chrono::steady_clock::time_point last_write = std::chrono::steady_clock::now();
-      std::vector<GenStream::Piece> pieces;
-    };
-    auto st = std::make_shared<StreamState>();
-    st->r = std::move(r);
-    st->meta = meta;
-    st->out = out;
-    res.set_header("Cache-Control", "no-cache");
-    res.set_header("X-Accel-Buffering", "no");
-    res.set_chunked_content_provider(
-        "text/event-stream",
-        [st](std::size_t, httplib::DataSink& sink) {
-          auto write = [&](const std::string& s) {
-            st->last_write = std::chrono::steady_clock::now();
-            return sink.write(s.data(), s.size());
-          };
-          if (!st->started) {
-            st->started = true;
-            if (st->r.chat && !write(sse(chunk(st->r, st->meta, "", {}, std::nullopt, true)))) return false;
-          }
-          st->pieces.clear();
-          const bool more = st->out->next(st->pieces, std::chrono::milliseconds(250));
-          for (const auto& p : st->pieces)
-            if (!p.text.empty() || (st->r.return_tokens && !p.tokens.empty()))
-              if (!write(sse(chunk(st->r, st->meta, p.text, p.tokens, std::nullopt)))) return false;
-          if (more) {
-            // A comment now and then: a client that went away is noticed while nothing else is written.
-            if (std::chrono::steady_clock::now() - st->last_write > std::chrono::seconds(2) && !write(": keep-alive\n\n"))
-              return false;
-            return true;
-          }
-          const Finish f = st->out->finish();
-          if (f == Finish::error) {
-            write(sse(error_body(server_error(503, st->out->error()))));
-          } else {
-            if (!write(sse(chunk(st->r, st->meta, "", {}, f)))) return false;
-            if (st->r.include_usage &&
-                !write(sse(usage_chunk(st->r, st->meta, st->out->prompt_tokens(), st->out->completion_tokens()))))
-              return false;
-          }
-          write("data: [DONE]\n\n");
-          sink.done();
-          return true;
-        },
-        [st](bool success) {
-          if (!success || !st->out->done()) st->out->cancel();  // the client went away mid-stream
-        });
+    if (r.stream) generate_stream(r, meta, *out, res);
+    else generate_whole(r, meta, *out, res);
+    if (!out->done()) out->cancel();
+  }
+
+  // The body is parsed: its memory goes back now, not after the generation (glibc keeps a large freed
+  // block in the thread's arena).
+  static void release_body(HttpRequest& q) {
+    const bool large = q.body.capacity() >= (1u << 20);
+    std::string().swap(q.body);
+    if (large) ::malloc_trim(0);
   }
 
   // Prometheus text: the coordinator's counters, and each worker's from its STATUS (queried now).
@@ -388,7 +497,13 @@ class HttpServer {
   ServeEngine& engine_;
   ApiContext api_;
   HttpOptions o_;
-  httplib::Server svr_;
+  HttpFront& front_;
+  std::mutex probe_mu_;
+  std::condition_variable probe_cv_;
+  std::optional<Probe> probe_;
+  Clock::time_point asked_{};
+  bool probe_stop_ = false;
+  std::thread prober_;
   std::mutex id_mu_;
   std::mt19937_64 rng_{std::random_device{}()};
   int64_t started_ = int64_t(std::time(nullptr));

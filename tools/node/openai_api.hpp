@@ -5,8 +5,14 @@
 // ignored; fields it knows but cannot honour are refused when they ask for something (n > 1, logprobs,
 // echo, penalties other than 0, a logit bias, tools, a JSON response format), and accepted at their
 // neutral value, which common clients send by default.
+//
+// A body is checked against JsonLimits (nesting depth, number length, value count) by a scan of its bytes
+// before any DOM is built, then parsed once. Every failure a client can cause is an ApiError with a 4xx:
+// the JSON library's own exceptions (a parse error, a number out of range, a value of the wrong type) are
+// turned into 400s that say what was wrong.
 #pragma once
 
+#include <cctype>
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -56,8 +62,17 @@ struct ApiRequest {
   bool stream = false;
   bool include_usage = false;   // stream_options.include_usage: a last chunk with the usage
   bool return_tokens = false;   // pp extension: each choice (and chunk) also carries "tokens": [ids]
+  bool parse_special = false;   // pp extension (completions): special-token texts in the prompt become their ids
   std::vector<int32_t> prompt;
   GenParams gen;
+};
+
+// What a request body may hold, checked on its bytes before it is parsed (a DOM of an 8 MiB body of
+// nested arrays or small numbers would take hundreds of MB).
+struct JsonLimits {
+  std::size_t max_depth = 64;          // nested arrays and objects
+  std::size_t max_number_chars = 64;   // one number literal
+  std::size_t max_values = 1u << 18;   // values and keys in all (a token-id prompt of 256 Ki tokens fits)
 };
 
 namespace api_detail {
@@ -127,8 +142,9 @@ inline const Tokenizer& need_tokenizer(const ApiContext& c, const char* param) {
   return *c.tok;
 }
 
-// The completions prompt: a string, token ids, or a one-element array of either.
-inline std::vector<int32_t> completion_prompt(const json& body, const ApiContext& c) {
+// The completions prompt: a string, token ids, or a one-element array of either. A string's special-token
+// texts ("<|eot_id|>") are plain text unless parse_special.
+inline std::vector<int32_t> completion_prompt(const json& body, const ApiContext& c, bool parse_special) {
   const auto it = body.find("prompt");
   if (it == body.end() || it->is_null()) throw bad("prompt", "'prompt' is required");
   json p = *it;
@@ -140,7 +156,7 @@ inline std::vector<int32_t> completion_prompt(const json& body, const ApiContext
   }
   if (p.is_string()) {
     const Tokenizer& tok = need_tokenizer(c, "prompt");
-    return tok.encode(p.get<std::string>(), tok.add_bos());
+    return tok.encode(p.get<std::string>(), tok.add_bos(), parse_special);
   }
   if (p.is_array()) return token_ids(p, c, "prompt");
   throw bad("prompt", "'prompt' must be a string or an array of token ids");
@@ -154,7 +170,9 @@ inline std::string message_content(const json& m, std::size_t i) {
   if (it->is_array()) {
     std::string out;
     for (const json& part : *it) {
-      if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string())
+      const auto type = part.is_object() ? part.find("type") : part.end();
+      if (!part.is_object() || type == part.end() || !type->is_string() || type->get<std::string>() != "text" ||
+          !part.contains("text") || !part["text"].is_string())
         throw bad(where, where + ": only text parts ({\"type\": \"text\", \"text\": ...}) are supported",
                   "unsupported_parameter");
       if (!out.empty()) out += "\n";
@@ -187,20 +205,84 @@ inline std::vector<int32_t> chat_prompt(const json& body, const ApiContext& c) {
     msgs.push_back(ChatMessage{role, message_content(m, i)});
   }
   const std::string bos = tok.bos() == kNoTokenId ? std::string() : std::string(tok.token_text(tok.bos()));
-  return tok.encode(render_chat(*c.chat, msgs, bos), false, true);
+  return encode_chat(tok, render_chat_pieces(*c.chat, msgs, bos));
 }
 
+// The JSON library's message without its "[json.exception.type.N] " prefix.
+inline std::string json_what(const json::exception& e) {
+  std::string w = e.what();
+  if (w.rfind("[json.exception.", 0) == 0)
+    if (const std::size_t sp = w.find("] "); sp != std::string::npos) w.erase(0, sp + 2);
+  return w;
+}
+
+
 }  // namespace api_detail
+
+// Refuses (400, naming the limit) a body past `lim`, from its bytes: nesting, number literals, values.
+// Strings are skipped with their escapes; anything that is not JSON is left for the parser to refuse.
+inline void check_json_limits(std::string_view text, const JsonLimits& lim = {}) {
+  using api_detail::bad;
+  std::size_t depth = 0, values = 0;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const char ch = text[i];
+    if (ch == '"') {
+      ++values;
+      for (++i; i < text.size() && text[i] != '"'; ++i)
+        if (text[i] == '\\') ++i;
+    } else if (ch == '[' || ch == '{') {
+      ++values;
+      if (++depth > lim.max_depth)
+        throw bad("", "the request body nests arrays and objects deeper than the limit of " +
+                          std::to_string(lim.max_depth) + " levels", "json_too_deep");
+    } else if (ch == ']' || ch == '}') {
+      if (depth > 0) --depth;
+    } else if (ch == '-' || (ch >= '0' && ch <= '9')) {
+      const std::size_t start = i;
+      while (i + 1 < text.size() && (std::isdigit(static_cast<unsigned char>(text[i + 1])) || text[i + 1] == '.' ||
+                                     text[i + 1] == 'e' || text[i + 1] == 'E' || text[i + 1] == '+' || text[i + 1] == '-'))
+        ++i;
+      ++values;
+      if (i - start + 1 > lim.max_number_chars)
+        throw bad("", "a number in the request body is " + std::to_string(i - start + 1) + " characters long; the limit is " +
+                          std::to_string(lim.max_number_chars), "json_number_too_long");
+    } else if (ch == 't' || ch == 'f' || ch == 'n') {
+      ++values;
+      while (i + 1 < text.size() && std::isalpha(static_cast<unsigned char>(text[i + 1]))) ++i;
+    } else {
+      continue;
+    }
+    if (values > lim.max_values)
+      throw bad("", "the request body has more JSON values than the limit of " + std::to_string(lim.max_values),
+                "json_too_large");
+  }
+}
+
+inline ApiRequest parse_request_json(const json& body, bool chat, const ApiContext& c);
 
 // Parses and validates one /v1/completions (chat = false) or /v1/chat/completions body.
 inline ApiRequest parse_request(std::string_view text, bool chat, const ApiContext& c) {
   using namespace api_detail;
+  if (text.find_first_not_of(" \t\r\n") == std::string_view::npos)
+    throw bad("", "the request body is empty: send a JSON object", "invalid_json");
+  check_json_limits(text);
   json body;
   try {
     body = json::parse(text);
-  } catch (const json::parse_error& e) {
-    throw bad("", std::string("invalid JSON in the request body: ") + e.what(), "invalid_json");
+  } catch (const json::out_of_range& e) {
+    throw bad("", "a number in the request body is out of range: " + json_what(e), "invalid_json");
+  } catch (const json::exception& e) {
+    throw bad("", "invalid JSON in the request body: " + json_what(e), "invalid_json");
   }
+  try {
+    return parse_request_json(body, chat, c);
+  } catch (const json::exception& e) {  // a check above missed a type: still the client's error
+    throw bad("", "a field of the request has the wrong type or value: " + json_what(e));
+  }
+}
+
+inline ApiRequest parse_request_json(const json& body, bool chat, const ApiContext& c) {
+  using namespace api_detail;
   if (!body.is_object()) throw bad("", "the request body must be a JSON object");
   if (const auto it = body.find("model"); it != body.end() && !it->is_null() && !it->is_string())
     throw bad("model", "'model' must be a string");
@@ -213,6 +295,7 @@ inline ApiRequest parse_request(std::string_view text, bool chat, const ApiConte
     r.include_usage = boolean(*it, "include_usage").value_or(false);
   }
   r.return_tokens = boolean(body, "return_tokens").value_or(false);
+  r.parse_special = boolean(body, "parse_special").value_or(false);
   r.gen.ignore_eos = boolean(body, "ignore_eos").value_or(false);
 
   if (const auto n = integer(body, "n")) {
@@ -231,7 +314,8 @@ inline ApiRequest parse_request(std::string_view text, bool chat, const ApiConte
   refuse_unless_neutral(body, "tools", "tool calling");
   refuse_unless_neutral(body, "functions", "function calling");
   if (const auto it = body.find("response_format"); it != body.end() && !it->is_null()) {
-    if (!it->is_object() || it->value("type", "") != "text")
+    const auto type = it->is_object() ? it->find("type") : it->end();
+    if (!it->is_object() || type == it->end() || !type->is_string() || type->get<std::string>() != "text")
       throw bad("response_format", "only response_format {\"type\": \"text\"} is supported", "unsupported_parameter");
   }
 
@@ -274,7 +358,7 @@ inline ApiRequest parse_request(std::string_view text, bool chat, const ApiConte
     }
   }
 
-  r.prompt = chat ? chat_prompt(body, c) : completion_prompt(body, c);
+  r.prompt = chat ? chat_prompt(body, c) : completion_prompt(body, c, r.parse_special);
   const std::size_t n = r.prompt.size();
   if (n == 0) throw bad(chat ? "messages" : "prompt", "the prompt is empty");
   if (n >= c.ctx)

@@ -72,16 +72,20 @@ inline std::string read_key_file(const std::string& path, std::ostream& warn) {
 
 }  // namespace detail
 
-// The key from --psk-file when given, else from $PP_NODE_PSK (which is then removed from the environment,
-// so nothing this process starts inherits it), else none. Errors name the source, never the key.
+// The key from --psk-file when given, else from $PP_NODE_PSK (which is then wiped from the process's
+// environment block and removed, so neither /proc/PID/environ nor anything this process starts shows it),
+// else none. Errors name the source, never the key.
 inline std::shared_ptr<const net::PresharedKey> load_psk(const std::string& psk_file, std::ostream& warn = std::cerr) {
   detail::Wiped key;
   std::string source;
   if (!psk_file.empty()) {
     key.bytes = detail::read_key_file(psk_file, warn);
     source = "--psk-file '" + psk_file + "'";
-  } else if (const char* env = std::getenv(kPskEnv); env && *env) {
+  } else if (char* env = std::getenv(kPskEnv); env && *env) {
     key.bytes = env;
+    // unsetenv only drops the pointer: the bytes stay in the block the kernel shows as /proc/PID/environ
+    // (getenv points into it), so overwrite them there first.
+    OPENSSL_cleanse(env, std::strlen(env));
     ::unsetenv(kPskEnv);
     source = kPskEnv;
   } else {

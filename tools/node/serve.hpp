@@ -134,6 +134,17 @@ inline int run_serve(const ModelRunOptions& run, const ServeOptions& so, const s
   if (run.workers.empty()) throw UsageError{"--coordinator needs at least one worker HOST[:PORT]"};
   if (so.parallel < 1 || so.parallel > net::kMaxMuxSessions)
     throw UsageError{"--parallel " + std::to_string(so.parallel) + " outside [1, " + std::to_string(net::kMaxMuxSessions) + "]"};
+  // The HTTP address is bound first, so a taken port is reported (with the reason) before the pipeline
+  // loads; it listens once the pipeline is up (until then connections are refused, not left waiting).
+  std::unique_ptr<HttpFront> front;
+  if (!so.chat) {
+    HttpFront::Options fo;
+    fo.host = so.http_host;
+    fo.port = so.http_port;
+    fo.threads = std::max<std::size_t>(64, 2 * so.parallel + 8);
+    front = std::make_unique<HttpFront>(fo);
+    front->bind();
+  }
   int n_layer = 0;
   uint32_t model_ctx = 0;
   {
@@ -211,8 +222,8 @@ inline int run_serve(const ModelRunOptions& run, const ServeOptions& so, const s
   ho.threads = std::max<std::size_t>(64, 2 * so.parallel + 8);
   ho.model_id = so.model_id;
   ho.authenticate = so.authenticate;
-  HttpServer http(engine, api, ho);
-  const int port = http.bind();
+  HttpServer http(engine, api, ho, *front);
+  const int port = front->port();
   std::cout << "serving '" << so.model_id << "' on http://" << so.http_host << ":" << port
             << "  (POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics; --parallel "
             << so.parallel << ")" << std::endl;

@@ -188,6 +188,7 @@ struct EngineMetrics {
   uint64_t ttft_count = 0;
   bool link_up = false;
   std::string link_error;
+  uint64_t link_epoch = 0;  // connections to the chain made so far: /health ignores probes of an older link
 };
 
 class ServeEngine {
@@ -297,6 +298,7 @@ class ServeEngine {
       std::lock_guard lock(metrics_mu_);
       metrics_.link_up = true;
       metrics_.link_error.clear();
+      ++metrics_.link_epoch;
     }
   }
 

@@ -199,7 +199,7 @@ class Server {
 
   void decode_rows(const Request& req, OpTiming& t) {
     const auto t0 = Clock::now();
-    decode_hidden_b64(req.hidden_b64, req.seq_len, geo_.hidden_dim, dtype_, wire_scratch_, rows_);
+    decode_hidden_b64(req.hidden_b64, req.seq_len, geo_.hidden_dim, dtype_, wire_scratch_, rows_, req.position);
     t.decode_ms = ms_since(t0);
   }
 

@@ -8,6 +8,7 @@
 
 #include <bit>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <string_view>
@@ -44,8 +45,11 @@ inline void append_f32_b64(std::string& out, const float* values, size_t n) {
 
 // Decodes `b64` into rows [seq_len, hidden_dim] f32. The decoded length must be exactly
 // seq_len * hidden_dim * 2 bytes. Throws RequestError naming the field, the value and the limit.
+// Row r of the array holds position `position + r`. A NaN or infinity anywhere is refused, naming its
+// row, position and column: a non-finite state would make every later logit NaN (sampling token 0) and
+// poison the cache of every position after it, silently.
 inline void decode_hidden_b64(std::string_view b64, int64_t seq_len, int hidden_dim, WireDtype dtype,
-                              std::vector<uint16_t>& scratch, std::vector<float>& rows) {
+                              std::vector<uint16_t>& scratch, std::vector<float>& rows, int64_t position = 0) {
   const size_t n_values = size_t(seq_len) * size_t(hidden_dim);
   const size_t want = n_values * kWireBytesPerValue;
   size_t have = 0;
@@ -65,6 +69,19 @@ inline void decode_hidden_b64(std::string_view b64, int64_t seq_len, int hidden_
     base64::decode(b64, reinterpret_cast<uint8_t*>(scratch.data()));
   } catch (const base64::Base64Error& e) {
     throw RequestError("field 'hidden_b64' is not valid base64: " + std::string(e.what()));
+  }
+  const uint16_t exp_mask = dtype == WireDtype::bf16 ? 0x7f80 : 0x7c00;  // all ones: inf or NaN
+  const uint16_t mant_mask = dtype == WireDtype::bf16 ? 0x007f : 0x03ff;
+  for (size_t i = 0; i < n_values; ++i) {
+    const uint16_t v = scratch[i];
+    if ((v & exp_mask) != exp_mask) continue;
+    const int64_t row = int64_t(i / size_t(hidden_dim));
+    char bits[8];
+    std::snprintf(bits, sizeof bits, "%04x", unsigned(v));
+    throw RequestError("field 'hidden_b64': row " + std::to_string(row) + " (position " +
+                       std::to_string(position + row) + "), column " + std::to_string(i % size_t(hidden_dim)) +
+                       " is " + ((v & mant_mask) ? "NaN" : (v & 0x8000) ? "-inf" : "+inf") + " (" +
+                       wire_dtype_name(dtype) + " 0x" + bits + "): hidden states must be finite");
   }
   rows.resize(n_values);
   const uint16_t* w = scratch.data();

@@ -7,6 +7,7 @@
 
 #include <pp/core/checked.hpp>
 #include <pp/core/error.hpp>
+#include <pp/core/printable.hpp>
 
 #include <array>
 #include <cstdint>
@@ -200,7 +201,7 @@ class File {
   std::unordered_map<std::string, std::size_t> kv_index_;
   std::unordered_map<std::string, std::size_t> tensor_index_;
 
-  static std::string key_msg(std::string_view key) { return "metadata '" + std::string(key) + "'"; }
+  static std::string key_msg(std::string_view key) { return "metadata '" + printable(key) + "'"; }
   const Value& require_present(std::string_view key) const {
     const Value* v = find(key);
     if (!v) throw GgufError(key_msg(key) + ": missing");
@@ -332,7 +333,7 @@ inline File parse(std::span<const uint8_t> bytes, const Limits& lim = {}) {
   for (uint64_t k = 0; k < n_kv; ++k) {
     const std::string_view key = r.string("metadata key", lim.max_key_bytes);
     if (key.empty()) throw GgufError("metadata entry " + std::to_string(k) + ": empty key");
-    const std::string what = "metadata '" + std::string(key) + "'";
+    const std::string what = "metadata '" + printable(key) + "'";
     if (f.kv_index_.count(std::string(key))) throw GgufError(what + ": duplicate key");
     const uint32_t t = r.read<uint32_t>(what.c_str());
     if (!detail::valid_value_type(t))
@@ -392,7 +393,7 @@ inline File parse(std::span<const uint8_t> bytes, const Limits& lim = {}) {
       throw GgufError(entry + ": tensor name of " + std::to_string(name.size()) + " bytes exceeds " +
                       std::to_string(kMaxNameBytes));
     ti.name = std::string(name);
-    const std::string what = "tensor '" + ti.name + "'";
+    const std::string what = "tensor '" + printable(ti.name) + "'";
     if (f.tensor_index_.count(ti.name)) throw GgufError(what + ": duplicate tensor name");
     ti.n_dims = r.read<uint32_t>(what.c_str());
     if (ti.n_dims < 1 || ti.n_dims > kMaxDims)
@@ -441,7 +442,7 @@ inline File parse(std::span<const uint8_t> bytes, const Limits& lim = {}) {
   // Tensors must appear in file order without overlap: every byte then belongs to at most one tensor.
   uint64_t prev_begin = 0, prev_end = 0;
   for (TensorInfo& ti : f.tensors) {
-    const std::string what = "tensor '" + ti.name + "'";
+    const std::string what = "tensor '" + printable(ti.name) + "'";
     if (ti.offset < prev_begin)
       throw GgufError(what + ": offset " + std::to_string(ti.offset) +
                       " is out of order (the previous tensor starts at " + std::to_string(prev_begin) + ")");

@@ -3,6 +3,7 @@
 
 #include <pp/core/dtype.hpp>
 #include <pp/core/error.hpp>
+#include <pp/core/printable.hpp>
 #include <pp/io/gguf.hpp>
 #include <pp/model/config.hpp>
 
@@ -106,7 +107,7 @@ inline DType kernel_dtype(const gguf::TensorInfo& t) {
     case gguf::TensorType::Q5_K: return DType::Q5_K;
     case gguf::TensorType::Q6_K: return DType::Q6_K;
     default:
-      throw ModelError("tensor '" + t.name + "' has type " + gguf::type_name(t.type) +
+      throw ModelError("tensor '" + printable(t.name) + "' has type " + gguf::type_name(t.type) +
                        ", which this build cannot run (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
                        "Q4_K, Q5_K, Q6_K)");
   }
@@ -122,7 +123,7 @@ inline std::string shape_str(const gguf::TensorInfo& t) {
 inline const gguf::TensorInfo& require_tensor(const gguf::File& f, const std::string& name,
                                               std::initializer_list<uint64_t> ne) {
   const gguf::TensorInfo* t = f.tensor(name);
-  if (!t) throw ModelError("tensor '" + name + "' is missing");
+  if (!t) throw ModelError("tensor '" + printable(name) + "' is missing");
   bool ok = t->n_dims == ne.size();
   uint32_t d = 0;
   for (uint64_t v : ne) ok = ok && t->ne[d++] == v;
@@ -130,7 +131,7 @@ inline const gguf::TensorInfo& require_tensor(const gguf::File& f, const std::st
     std::string want = "[";
     d = 0;
     for (uint64_t v : ne) want += (d++ ? ", " : "") + std::to_string(v);
-    throw ModelError("tensor '" + name + "' has shape " + shape_str(*t) + ", expected " + want + "]");
+    throw ModelError("tensor '" + printable(name) + "' has shape " + shape_str(*t) + ", expected " + want + "]");
   }
   return *t;
 }
@@ -146,7 +147,7 @@ inline MatView matrix(const gguf::File& f, const std::string& name, std::size_t 
 inline const float* norm_vector(const gguf::File& f, const std::string& name, std::size_t n) {
   const gguf::TensorInfo& t = require_tensor(f, name, {n});
   if (t.type != gguf::TensorType::F32)
-    throw ModelError("tensor '" + name + "' has type " + gguf::type_name(t.type) + ", expected F32");
+    throw ModelError("tensor '" + printable(name) + "' has type " + gguf::type_name(t.type) + ", expected F32");
   return reinterpret_cast<const float*>(t.data.data());
 }
 

@@ -44,6 +44,10 @@ inline constexpr std::size_t kMaxKeyBytes = 4096;
 inline constexpr uint32_t kAuthChallenge = 1;  // Nu
 inline constexpr uint32_t kAuthResponse = 2;   // Nw || worker proof
 inline constexpr uint32_t kAuthFinish = 3;     // upstream proof
+// With a key, a new connection's whole exchange (three AUTH frames) must be done within this, however
+// the peer paces its bytes: one round trip for a key holder, and all a trickling stranger can take.
+inline constexpr Millis kAuthBudget{5000};
+
 // An ERR arriving during the exchange comes from an end not yet trusted: its text is kept short.
 inline constexpr uint32_t kMaxAuthErrBytes = 1024;
 

@@ -6,9 +6,11 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "pp/core/error.hpp"
+#include "pp/core/printable.hpp"
 
 namespace pp::net {
 
@@ -81,22 +83,6 @@ inline uint32_t get_be32(const uint8_t* p) {
   return (uint32_t{p[0]} << 24) | (uint32_t{p[1]} << 16) | (uint32_t{p[2]} << 8) | uint32_t{p[3]};
 }
 
-// Printable form of 4 untrusted magic bytes: ASCII where printable, \xNN otherwise.
-inline std::string printable(std::span<const uint8_t> bytes) {
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string s;
-  for (uint8_t b : bytes) {
-    if (b >= 0x20 && b < 0x7f && b != '\\' && b != '\'') {
-      s += static_cast<char>(b);
-    } else {
-      s += "\\x";
-      s += kHex[b >> 4];
-      s += kHex[b & 15];
-    }
-  }
-  return s;
-}
-
 }  // namespace detail
 
 inline std::array<uint8_t, kFrameHeaderBytes> encode_header(const FrameHeader& h) {
@@ -121,7 +107,7 @@ inline FrameHeader decode_header(std::span<const uint8_t> bytes) {
   }
   for (std::size_t i = 0; i < kFrameMagic.size(); ++i) {
     if (bytes[i] != kFrameMagic[i]) {
-      throw FrameError("magic: '" + detail::printable(bytes.first(4)) + "' != 'PCPL'");
+      throw FrameError("magic: '" + printable(std::string_view(reinterpret_cast<const char*>(bytes.data()), 4)) + "' != 'PCPL'");
     }
   }
   FrameHeader h;

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "pp/core/error.hpp"
+#include "pp/core/printable.hpp"
 #include "pp/core/sha256.hpp"
 #include "pp/io/gguf.hpp"
 #include "pp/model/config.hpp"
@@ -126,7 +127,7 @@ inline std::vector<std::pair<std::string_view, std::string_view>> parse_lines(st
     if (line.empty()) continue;
     const std::size_t eq = line.find('=');
     if (eq == std::string_view::npos || eq == 0)
-      throw HandshakeError(std::string(what) + ": line '" + std::string(line.substr(0, 80)) + "' is not key=value");
+      throw HandshakeError(std::string(what) + ": line '" + printable(line, 80) + "' is not key=value");
     kv.emplace_back(line.substr(0, eq), line.substr(eq + 1));
   }
   return kv;
@@ -137,7 +138,7 @@ T parse_uint(std::string_view key, std::string_view v, T max) {
   uint64_t x = 0;
   const auto r = std::from_chars(v.data(), v.data() + v.size(), x);
   if (r.ec != std::errc{} || r.ptr != v.data() + v.size() || x > static_cast<uint64_t>(max))
-    throw HandshakeError("'" + std::string(key) + "' = '" + std::string(v.substr(0, 40)) +
+    throw HandshakeError("'" + printable(key, 80) + "' = '" + printable(v, 40) +
                          "' is not an integer in [0, " + std::to_string(max) + "]");
   return static_cast<T>(x);
 }
@@ -147,7 +148,7 @@ inline double parse_double(std::string_view key, std::string_view v) {
   char* end = nullptr;
   const double x = std::strtod(s.c_str(), &end);
   if (s.empty() || end != s.c_str() + s.size())
-    throw HandshakeError("'" + std::string(key) + "' = '" + s + "' is not a number");
+    throw HandshakeError("'" + printable(key, 80) + "' = '" + printable(s) + "' is not a number");
   return x;
 }
 
@@ -161,7 +162,7 @@ inline std::vector<std::string_view> split(std::string_view key, std::string_vie
     v = v.substr(c + 1);
   }
   if (out.size() != n)
-    throw HandshakeError("'" + std::string(key) + "' has " + std::to_string(out.size()) + " fields, expected " +
+    throw HandshakeError("'" + printable(key, 80) + "' has " + std::to_string(out.size()) + " fields, expected " +
                          std::to_string(n));
   return out;
 }
@@ -169,7 +170,7 @@ inline std::vector<std::string_view> split(std::string_view key, std::string_vie
 inline Peer parse_peer(std::string_view key, std::string_view v) {
   const std::size_t colon = v.rfind(':');
   if (colon == std::string_view::npos || colon == 0)
-    throw HandshakeError("'" + std::string(key) + "': '" + std::string(v.substr(0, 80)) + "' is not host:port");
+    throw HandshakeError("'" + printable(key, 80) + "': '" + printable(v, 80) + "' is not host:port");
   return Peer{std::string(v.substr(0, colon)), parse_uint<uint16_t>(key, v.substr(colon + 1), 65535)};
 }
 
@@ -329,8 +330,8 @@ inline void check_hello(const Hello& h, const ModelIdentity& mine, uint32_t max_
   std::string diff;
   auto add = [&](const std::string& d) { diff += (diff.empty() ? "" : "; ") + d; };
   if (h.model.fingerprint != mine.fingerprint)
-    add("different model file: the upstream runs '" + h.model.file + "' (fingerprint " +
-        h.model.fingerprint.substr(0, 16) + "), this worker '" + mine.file + "' (fingerprint " +
+    add("different model file: the upstream runs '" + printable(h.model.file, 200) + "' (fingerprint " +
+        printable(h.model.fingerprint.substr(0, 16)) + "), this worker '" + mine.file + "' (fingerprint " +
         mine.fingerprint.substr(0, 16) + ")");
   auto geo = [&](const char* name, uint32_t theirs, uint32_t ours) {
     if (theirs != ours)

@@ -4,6 +4,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <string>
 
@@ -110,6 +111,22 @@ struct ModelGeometry {
 
 // Bytes of a FWD payload of `rows` rows. rows is a u32 and n_embd at most 2^17, so the product cannot
 // overflow 64 bits; the caller compares it with the u32 payload_bytes before allocating anything.
+// Where the first NaN or infinity of `rows` [n, n_embd] f32 is, named for an ERR: "row R (position P),
+// column C is NaN" with row r at position pos0 + r; empty when every value is finite. A non-finite
+// residual would make every later logit NaN and poison the cache of the positions after it.
+inline std::string first_non_finite(const float* rows, std::size_t n, std::size_t n_embd, uint64_t pos0) {
+  for (std::size_t i = 0; i < n * n_embd; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, rows + i, 4);
+    if ((bits & 0x7f800000u) != 0x7f800000u) continue;
+    const std::size_t r = i / n_embd;
+    return "row " + std::to_string(r) + " (position " + std::to_string(pos0 + r) + "), column " +
+           std::to_string(i % n_embd) + " is " + ((bits & 0x007fffffu) ? "NaN" : (bits >> 31) ? "-inf" : "+inf") +
+           ": hidden states must be finite";
+  }
+  return {};
+}
+
 inline uint64_t fwd_payload_bytes(uint64_t rows, uint32_t n_embd) { return rows * n_embd * 4; }
 
 // Bytes of a RES payload for these flags: token (i32), then the digest, then the logits.

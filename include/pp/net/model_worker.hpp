@@ -137,11 +137,15 @@ class ModelWorker {
   // Serves one connection until the peer closes (returns) or the session must end (throws; the
   // server logs it). Every refusal is answered with an ERR first.
   void serve(Channel& up) {
-    // With a key, nothing but the exchange happens until the upstream has proved it holds it, and an
-    // unauthenticated peer may not sit idle: every wait is the stall timeout until then.
+    // Until the upstream has proved itself, the connection is pending (the server may close it for a
+    // newer one) and may not sit idle: the first frame must start within the stall timeout, and with a
+    // key the whole exchange must be done within kAuthBudget, however the peer paces its bytes.
     const Timeouts timeouts = up.timeouts();
     bool admitted = !opt_.psk;
-    if (!admitted) up.set_timeouts(Timeouts{timeouts.io, timeouts.io});
+    up.set_timeouts(Timeouts{timeouts.io, timeouts.io});
+    if (!admitted)
+      up.set_deadline(Deadline::in(kAuthBudget, "authentication must be done within " +
+                                                    detail::seconds_text(kAuthBudget) + " of connecting"));
     std::optional<FrameHeader> h = up.read_header();
     Session s;
     while (h) {
@@ -166,15 +170,22 @@ class ModelWorker {
       }
       const ModelHeader m = read_extension(up, *h);
       if (admitted) {
+        up.mark_trusted();  // without a key: a well-formed version-2 header is all a peer can prove
+        up.set_timeouts(timeouts);
         handle(up, m, s);
       } else {
         admit_upstream(up, m, *opt_.psk);  // throws (after an ERR) unless the upstream holds the key
         admitted = true;
+        up.clear_deadline();
+        up.mark_trusted();
         up.set_timeouts(timeouts);
       }
       h = up.read_header();
     }
   }
+
+  // What a connection over the server's limit is told, in the version this worker speaks.
+  static void refuse(Channel& up, const std::string& why) { send_model_err(up, ModelHeader{}, why); }
 
   // key=value lines: what a STATUS request is answered with.
   std::string status_text() const {
@@ -362,6 +373,8 @@ class ModelWorker {
     const std::size_t n = m.rows;
     if (s.rows.size() < n * id_.n_embd) s.rows = Buffer<float>(n * id_.n_embd);  // after the checks above
     up.read_into(std::span(reinterpret_cast<uint8_t*>(s.rows.data()), m.payload_bytes), "FWD payload");
+    if (const std::string bad = first_non_finite(s.rows.data(), n, id_.n_embd, m.pos); !bad.empty())
+      fail(up, m, "FWD seq " + std::to_string(m.seq) + ": " + bad);
     ++s.frames;
     try {
       s.stage->forward(*s.seq, static_cast<int64_t>(m.pos), s.rows.data(), n);

@@ -279,6 +279,11 @@ class MuxConnection {
     up_.read_into(std::span(reinterpret_cast<uint8_t*>(rows_.data()), row_bytes), "BATCH rows");
     s_.stats->bytes_received += kModelHeaderBytes + m.payload_bytes;
     s_.stats->transfer_ns += elapsed_ns(t_read);
+    for (std::size_t i = 0, off = 0; i < entries_.size(); off += entries_[i].rows, ++i) {
+      const std::string bad = first_non_finite(rows_.data() + off * n_embd, entries_[i].rows, n_embd, entries_[i].pos);
+      if (!bad.empty())
+        fail(m, "BATCH seq " + std::to_string(m.seq) + ", session " + std::to_string(entries_[i].session) + ": " + bad);
+    }
 
     const auto t0 = std::chrono::steady_clock::now();
     try {

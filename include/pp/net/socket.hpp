@@ -28,6 +28,34 @@ namespace pp::net {
 using Millis = std::chrono::milliseconds;
 // A timeout that never expires (poll's -1).
 inline constexpr Millis kNoTimeout = Millis::max();
+using Clock = std::chrono::steady_clock;
+
+// A point by which a whole operation must be done, whatever pace the peer keeps, and why (for the
+// error). The default never passes.
+struct Deadline {
+  Clock::time_point at = Clock::time_point::max();
+  std::string why;
+
+  // A deadline not started yet: `within` from when it starts.
+  struct Budget {
+    Millis within = kNoTimeout;
+    std::string why;
+  };
+
+  static Deadline in(Millis budget, std::string why) {
+    if (budget == kNoTimeout) return Deadline{};
+    return Deadline{Clock::now() + budget, std::move(why)};
+  }
+  bool never() const { return at == Clock::time_point::max(); }
+  // Time left, never negative; kNoTimeout when it never passes.
+  Millis left() const {
+    if (never()) return kNoTimeout;
+    const auto d = std::chrono::duration_cast<Millis>(at - Clock::now());
+    return d.count() > 0 ? d : Millis{0};
+  }
+  // The earlier of the two.
+  Deadline min(const Deadline& o) const { return o.at < at ? o : *this; }
+};
 
 // Owns one file descriptor; closes it once.
 class Fd {
@@ -165,11 +193,14 @@ inline std::string numeric_host(const sockaddr_in& addr) {
 }
 
 // Reads into buf; `first_wait` bounds the wait for the first byte, `stall` every later wait for
-// progress. Returns the byte count, which is short only when the peer closed before any byte
-// and eof_ok is set.
+// progress, and `by` the whole read; once the first byte is in, the rest must also arrive within
+// `then` (when given) of it. A peer that trickles bytes cannot stretch the read past either point. Returns the byte
+// count, which is short only when the peer closed before any byte and eof_ok is set.
 inline std::size_t read_loop(const Fd& fd, std::span<uint8_t> buf, Millis first_wait, Millis stall,
-                             const std::string& who, std::string_view what, bool eof_ok) {
+                             const Deadline& by, const std::string& who, std::string_view what,
+                             bool eof_ok, const Deadline::Budget* then = nullptr) {
   std::size_t got = 0;
+  Deadline limit = by;
   const auto progress = [&] {
     return " while reading " + std::string(what) + " (" + std::to_string(got) + " of " +
            std::to_string(buf.size()) + " bytes)";
@@ -177,6 +208,7 @@ inline std::size_t read_loop(const Fd& fd, std::span<uint8_t> buf, Millis first_
   while (got < buf.size()) {
     const ssize_t r = ::recv(fd.get(), buf.data() + got, buf.size() - got, 0);
     if (r > 0) {
+      if (got == 0 && then) limit = limit.min(Deadline::in(then->within, then->why));
       got += static_cast<std::size_t>(r);
       continue;
     }
@@ -190,7 +222,12 @@ inline std::size_t read_loop(const Fd& fd, std::span<uint8_t> buf, Millis first_
       throw NetError(errno_kind(err), who + ": " + errno_what(err) + progress());
     }
     const Millis wait = got == 0 ? first_wait : stall;
-    if (!wait_ready(fd.get(), POLLIN, wait)) {
+    const Millis left = limit.left();
+    if (left <= wait) {
+      if (!wait_ready(fd.get(), POLLIN, left)) {
+        throw NetError(NetError::Kind::timeout, who + ": timed out" + progress() + ": " + limit.why);
+      }
+    } else if (!wait_ready(fd.get(), POLLIN, wait)) {
       throw NetError(NetError::Kind::timeout,
                      who + ": timed out after " + seconds_text(wait) + " without data" + progress());
     }
@@ -277,17 +314,19 @@ inline Fd connect_tcp(const Peer& peer, Millis timeout, const std::string& who) 
 }
 
 // Fills buf completely or throws NetError (closed / reset / timeout) naming `who` and `what`.
-// `timeout` bounds each wait for progress, so a slow but moving transfer is not cut off.
+// `timeout` bounds each wait for progress; `by`, when given, the whole read.
 inline void read_exact(const Fd& fd, std::span<uint8_t> buf, Millis timeout, const std::string& who,
-                       std::string_view what) {
-  detail::read_loop(fd, buf, timeout, timeout, who, what, false);
+                       std::string_view what, const Deadline& by = {}) {
+  detail::read_loop(fd, buf, timeout, timeout, by, who, what, false);
 }
 
 // As read_exact, but a peer that closes before sending any byte returns false (a clean end
-// between frames). `first_wait` bounds the wait for the first byte (an idle connection).
+// between frames). `first_wait` bounds the wait for the first byte (an idle connection); `then`
+// (when given) the rest of the read, from that byte on.
 inline bool read_exact_or_eof(const Fd& fd, std::span<uint8_t> buf, Millis first_wait, Millis timeout,
-                              const std::string& who, std::string_view what) {
-  return detail::read_loop(fd, buf, first_wait, timeout, who, what, true) == buf.size();
+                              const std::string& who, std::string_view what, const Deadline& by = {},
+                              const Deadline::Budget* then = nullptr) {
+  return detail::read_loop(fd, buf, first_wait, timeout, by, who, what, true, then) == buf.size();
 }
 
 // Writes all of buf or throws NetError. Never raises SIGPIPE. `more` tells the kernel more data

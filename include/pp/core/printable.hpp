@@ -1,0 +1,38 @@
+// Untrusted bytes made safe to print: names from a model file, text from a peer.
+#pragma once
+
+#include <cstddef>
+#include <cstdio>
+#include <string>
+#include <string_view>
+
+namespace pp {
+
+// `s` on one line with nothing a terminal would act on: control bytes, DEL and every byte >= 0x80 as
+// \xNN (so no escape sequence, C1 control or NUL reaches a terminal or cuts a C string short), '\n' as
+// \n, '\\' and '"' with a backslash, so the escaped text is unambiguous. Past `max_bytes` the rest is
+// elided and counted.
+inline std::string printable(std::string_view s, std::size_t max_bytes = 256) {
+  std::string out;
+  const std::size_t n = s.size() < max_bytes ? s.size() : max_bytes;
+  out.reserve(n + 8);
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c == '\\' || c == '"') {
+      out += '\\';
+      out += char(c);
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (c < 0x20 || c >= 0x7f) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\x%02x", c);
+      out += buf;
+    } else {
+      out += char(c);
+    }
+  }
+  if (s.size() > n) out += "... (" + std::to_string(s.size()) + " bytes)";
+  return out;
+}
+
+}  // namespace pp
