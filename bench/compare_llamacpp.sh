@@ -26,6 +26,7 @@ trap 'rm -rf "$out"' EXIT
 idx() { case $1 in bf16) echo 0 ;; f16) echo 1 ;; q8_0) echo 2 ;; q4_k_m) echo 3 ;; *) echo "unknown type $1" >&2; exit 2 ;; esac; }
 
 echo "host: $(lscpu | sed -n 's/^Model name:[[:space:]]*//p' | head -1), $(nproc) cores; load at start $(cut -d' ' -f1-3 /proc/loadavg)"
+[ -x "$build/tools/pp_node" ] || ninja -C "$build" tools/pp_node >/dev/null || exit 1  # for --version: the kernels
 echo "pp: $("$build/tools/pp_node" --version)"
 echo "llama.cpp: $bin"
 for t in $types; do
