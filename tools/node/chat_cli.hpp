@@ -27,7 +27,7 @@ inline std::vector<int32_t> chat_turn_ids(const Tokenizer& tok, const ChatTempla
                                           const std::string& line, bool first, bool close_turn) {
   ChatPieces pieces;
   if (first) {
-    const std::string bos = tok.bos() == kNoTokenId ? std::string() : std::string(tok.token_text(tok.bos()));
+    const std::string bos = bos_text(tok);
     std::vector<ChatMessage> msgs;
     if (!system.empty()) msgs.push_back({"system", system});
     msgs.push_back({"user", line});

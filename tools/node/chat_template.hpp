@@ -118,6 +118,11 @@ inline void render_turn(ChatPieces& out, std::string_view role, std::string_view
   add_template(out, "<|eot_id|>");
 }
 
+// The text a rendered prompt starts with: the BOS token's, or nothing when the vocabulary has none.
+inline std::string bos_text(const Tokenizer& tok) {
+  return tok.bos() == kNoTokenId ? std::string() : std::string(tok.token_text(tok.bos()));
+}
+
 inline const char* kAssistantHeader = "<|start_header_id|>assistant<|end_header_id|>\n\n";
 
 // The whole prompt, beginning with `bos` (the BOS token's text), ending with the assistant's header.

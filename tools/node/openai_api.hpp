@@ -137,6 +137,13 @@ inline std::vector<int32_t> token_ids(const json& a, const ApiContext& c, const 
   return out;
 }
 
+// {"type": "text", ...}: an object whose "type" is the string "text" (anything else, of any type, is not).
+inline bool has_text_type(const json& v) {
+  if (!v.is_object()) return false;
+  const auto t = v.find("type");
+  return t != v.end() && t->is_string() && t->get_ref<const std::string&>() == "text";
+}
+
 inline const Tokenizer& need_tokenizer(const ApiContext& c, const char* param) {
   if (!c.tok) throw bad(param, "the model has no usable tokenizer (" + c.tok_error + "): send the prompt as token ids");
   return *c.tok;
@@ -170,9 +177,7 @@ inline std::string message_content(const json& m, std::size_t i) {
   if (it->is_array()) {
     std::string out;
     for (const json& part : *it) {
-      const auto type = part.is_object() ? part.find("type") : part.end();
-      if (!part.is_object() || type == part.end() || !type->is_string() || type->get<std::string>() != "text" ||
-          !part.contains("text") || !part["text"].is_string())
+      if (!has_text_type(part) || !part.contains("text") || !part["text"].is_string())
         throw bad(where, where + ": only text parts ({\"type\": \"text\", \"text\": ...}) are supported",
                   "unsupported_parameter");
       if (!out.empty()) out += "\n";
@@ -204,7 +209,7 @@ inline std::vector<int32_t> chat_prompt(const json& body, const ApiContext& c) {
       throw bad(where + ".tool_calls", "tool calls are not supported", "unsupported_parameter");
     msgs.push_back(ChatMessage{role, message_content(m, i)});
   }
-  const std::string bos = tok.bos() == kNoTokenId ? std::string() : std::string(tok.token_text(tok.bos()));
+  const std::string bos = bos_text(tok);
   return encode_chat(tok, render_chat_pieces(*c.chat, msgs, bos));
 }
 
@@ -215,7 +220,6 @@ inline std::string json_what(const json::exception& e) {
     if (const std::size_t sp = w.find("] "); sp != std::string::npos) w.erase(0, sp + 2);
   return w;
 }
-
 
 }  // namespace api_detail
 
@@ -314,8 +318,7 @@ inline ApiRequest parse_request_json(const json& body, bool chat, const ApiConte
   refuse_unless_neutral(body, "tools", "tool calling");
   refuse_unless_neutral(body, "functions", "function calling");
   if (const auto it = body.find("response_format"); it != body.end() && !it->is_null()) {
-    const auto type = it->is_object() ? it->find("type") : it->end();
-    if (!it->is_object() || type == it->end() || !type->is_string() || type->get<std::string>() != "text")
+    if (!has_text_type(*it))
       throw bad("response_format", "only response_format {\"type\": \"text\"} is supported", "unsupported_parameter");
   }
 

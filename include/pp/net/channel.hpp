@@ -136,14 +136,13 @@ class Channel {
 
  private:
   Deadline::Budget part_budget(std::size_t n) const {
-    const Millis budget = frame_part_budget(timeouts_.io, n);
-    return {budget, "a frame part of " + std::to_string(n) + " bytes must arrive within " +
-                        detail::seconds_text(budget) + " (--timeout plus 1 s per " +
-                        std::to_string(kMinFrameBytesPerSecond / 1024) + " KiB) whatever its pace"};
+    static_assert(kMinFrameBytesPerSecond == 64 * 1024, "the text below names the pace");
+    return {frame_part_budget(timeouts_.io, n),
+            "a frame part must arrive within {} (--timeout plus 1 s per 64 KiB of it) whatever its pace"};
   }
   Deadline part_deadline(std::size_t n) const {
-    Deadline::Budget b = part_budget(n);
-    return Deadline::in(b.within, std::move(b.why)).min(deadline_);
+    const Deadline::Budget b = part_budget(n);
+    return Deadline::in(b.within, b.why).min(deadline_);
   }
 
   Fd fd_;

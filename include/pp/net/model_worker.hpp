@@ -142,10 +142,16 @@ class ModelWorker {
     // key the whole exchange must be done within kAuthBudget, however the peer paces its bytes.
     const Timeouts timeouts = up.timeouts();
     bool admitted = !opt_.psk;
+    bool proven = false;  // no longer pending: the session's waits from here on
+    auto prove = [&] {
+      up.clear_deadline();
+      up.mark_trusted();
+      up.set_timeouts(timeouts);
+      proven = true;
+    };
     up.set_timeouts(Timeouts{timeouts.io, timeouts.io});
     if (!admitted)
-      up.set_deadline(Deadline::in(kAuthBudget, "authentication must be done within " +
-                                                    detail::seconds_text(kAuthBudget) + " of connecting"));
+      up.set_deadline(Deadline::in(kAuthBudget, "authentication must be done within {} of connecting"));
     std::optional<FrameHeader> h = up.read_header();
     Session s;
     while (h) {
@@ -170,15 +176,12 @@ class ModelWorker {
       }
       const ModelHeader m = read_extension(up, *h);
       if (admitted) {
-        up.mark_trusted();  // without a key: a well-formed version-2 header is all a peer can prove
-        up.set_timeouts(timeouts);
+        if (!proven) prove();  // without a key: a well-formed version-2 header is all a peer can prove
         handle(up, m, s);
       } else {
         admit_upstream(up, m, *opt_.psk);  // throws (after an ERR) unless the upstream holds the key
         admitted = true;
-        up.clear_deadline();
-        up.mark_trusted();
-        up.set_timeouts(timeouts);
+        prove();
       }
       h = up.read_header();
     }

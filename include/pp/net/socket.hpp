@@ -31,20 +31,22 @@ inline constexpr Millis kNoTimeout = Millis::max();
 using Clock = std::chrono::steady_clock;
 
 // A point by which a whole operation must be done, whatever pace the peer keeps, and why (for the
-// error). The default never passes.
+// error). The default never passes. `why` is static text in which "{}" stands for the budget: the
+// message is formatted only if the deadline passes, never on the way (one is made per frame part).
 struct Deadline {
   Clock::time_point at = Clock::time_point::max();
-  std::string why;
+  Millis budget{0};
+  const char* why = "";
 
   // A deadline not started yet: `within` from when it starts.
   struct Budget {
     Millis within = kNoTimeout;
-    std::string why;
+    const char* why = "";
   };
 
-  static Deadline in(Millis budget, std::string why) {
+  static Deadline in(Millis budget, const char* why) {
     if (budget == kNoTimeout) return Deadline{};
-    return Deadline{Clock::now() + budget, std::move(why)};
+    return Deadline{Clock::now() + budget, budget, why};
   }
   bool never() const { return at == Clock::time_point::max(); }
   // Time left, never negative; kNoTimeout when it never passes.
@@ -132,6 +134,13 @@ inline std::string errno_what(int err) {
 inline std::string seconds_text(Millis t) {
   const long long ms = t.count();
   return std::to_string(ms / 1000) + "." + std::to_string((ms % 1000) / 100) + " s";
+}
+
+// A passed deadline's reason, its budget in place of "{}".
+inline std::string deadline_text(const Deadline& d) {
+  std::string s = d.why;
+  if (const std::size_t at = s.find("{}"); at != std::string::npos) s.replace(at, 2, seconds_text(d.budget));
+  return s;
 }
 
 inline int poll_ms(Millis remaining) {
@@ -225,7 +234,7 @@ inline std::size_t read_loop(const Fd& fd, std::span<uint8_t> buf, Millis first_
     const Millis left = limit.left();
     if (left <= wait) {
       if (!wait_ready(fd.get(), POLLIN, left)) {
-        throw NetError(NetError::Kind::timeout, who + ": timed out" + progress() + ": " + limit.why);
+        throw NetError(NetError::Kind::timeout, who + ": timed out" + progress() + ": " + deadline_text(limit));
       }
     } else if (!wait_ready(fd.get(), POLLIN, wait)) {
       throw NetError(NetError::Kind::timeout,
