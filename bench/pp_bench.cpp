@@ -60,6 +60,40 @@ void matvec_args(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(BM_Matvec)->Apply(matvec_args)->Unit(benchmark::kMicrosecond)->UseRealTime();
 
+// A decode step of m sequences batched together (m rows, not bulk: the dot kernels) against weights
+// streamed from memory: four copies of the matrix, used in turn, so that none is in cache.
+void BM_MatmulFew(benchmark::State& st) {
+  const auto type = pp::DType(st.range(0));
+  const std::size_t rows = std::size_t(st.range(1)), cols = std::size_t(st.range(2)), m = std::size_t(st.range(3));
+  constexpr int kCopies = 4;
+  const std::size_t bytes = pp::row_bytes(type, cols) * rows;
+  pp::AnonymousRegion w(bytes * kCopies);
+  std::mt19937 rng(1);
+  for (std::size_t i = 0; i < bytes * kCopies / 2; ++i)
+    reinterpret_cast<uint16_t*>(w.data())[i] = uint16_t(0x3c00 ^ (rng() & 0x03ff));
+  pp::AnonymousRegion xr(m * cols * sizeof(float));  // page-aligned, as a stage's activations are
+  float* x = reinterpret_cast<float*>(xr.data());
+  std::fill(x, x + m * cols, 0.5f);
+  std::vector<float> y(m * rows);
+  pp::ThreadPool pool(1);
+  int c = 0;
+  for (auto _ : st) {
+    pp::MatView mv{type, w.data() + bytes * std::size_t(c), rows, cols, pp::row_bytes(type, cols)};
+    c = (c + 1) % kCopies;
+    pp::kernels::matmul(pool, mv, x, m, y.data());
+    benchmark::DoNotOptimize(y.data());
+  }
+  st.counters["GB/s"] = benchmark::Counter(double(bytes), benchmark::Counter::kIsIterationInvariantRate);
+  st.counters["tok/s"] = benchmark::Counter(double(m), benchmark::Counter::kIsIterationInvariantRate);
+  st.SetLabel(std::string(pp::dtype_name(type)) + " " + std::to_string(rows) + "x" + std::to_string(cols) + ", " +
+              std::to_string(m) + " rows");
+}
+BENCHMARK(BM_MatmulFew)
+    ->ArgsProduct({{int(pp::DType::BF16), int(pp::DType::F16)}, {8192}, {2048}, {1, 2, 4}})
+    ->Args({int(pp::DType::BF16), 2048, 8192, 4})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+
 // A prompt's matmul (128 tokens) at the 1B shapes, one thread, by kernel: 0 = the 1-row dot kernels of
 // a decode step applied to every token; 1 = the exact tile kernel a bulk request takes here (AMX tiles
 // or the vector register tiles of gemm.hpp); 2 = the fast path (BF16 only: bf16 activations and the
