@@ -3,6 +3,7 @@
 // With --cuts it runs the model as chained stages with the residual rounded to --wire at each cut: the
 // exact single-process reference for a distributed pipeline. --logits-out writes the golden JSON format
 // of ../shared/fixtures (prompt logits, greedy ids, per-step logits) for comparison with references.
+#include <pp/generation.hpp>
 #include <pp/model/local_pipeline.hpp>
 #include <pp/text/sampler.hpp>
 #include <pp/text/tokenizer.hpp>
@@ -93,12 +94,8 @@ int main(int argc, char** argv) {
     const auto t_load = std::chrono::steady_clock::now();
     pp::LocalPipeline pipe(model, cuts, pp::parse_wire_dtype(wire), {.ctx = ctx, .threads = threads});
     // The tokenizer is optional for id prompts (a model without one still runs).
-    std::optional<pp::Tokenizer> tok;
-    try {
-      tok = pp::Tokenizer::from_gguf(pipe.stage(0).gguf());
-    } catch (const pp::Error& e) {
-      if (!prompt_text.empty()) throw;
-    }
+    const pp::Tokenizer* tok = pipe.model().tokenizer();
+    if (!tok && !prompt_text.empty()) throw pp::Error(pipe.model().tokenizer_error());
     const std::vector<int32_t> prompt =
         prompt_text.empty() ? parse_ids(ids_arg) : tok->encode(prompt_text, tok->add_bos() && !no_bos);
     if (prompt.empty()) throw pp::Error("the prompt has no tokens");
@@ -110,30 +107,23 @@ int main(int argc, char** argv) {
     const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
 
     const bool all_rows = !logits_out.empty();
-    std::vector<float> prompt_logits((all_rows ? n : 1) * V), step(V);
-    std::vector<float> step_logits;
-    std::vector<int32_t> out;
-    pp::Sampler sampler;
+    std::vector<float> prompt_logits, step_logits;
     std::optional<pp::StreamDecoder> text;
     if (tok && !all_rows) text.emplace(*tok);
-    auto is_eog = [&](int32_t t) {
-      return tok && std::find(tok->eog_ids().begin(), tok->eog_ids().end(), t) != tok->eog_ids().end();
-    };
+    pp::Generation gen(pipe, {.sampling = sp, .max_tokens = std::size_t(std::max(0, n_tokens)),
+                              .stop_at_eog = stop_at_eog ? tok : nullptr});
 
     const auto t0 = std::chrono::steady_clock::now();
-    pipe.run(prompt, 0, prompt_logits.data(), all_rows ? n : 1);
+    gen.prefill(prompt, all_rows ? &prompt_logits : nullptr);
     const auto t1 = std::chrono::steady_clock::now();
-    std::copy(prompt_logits.end() - long(V), prompt_logits.end(), step.begin());
-    for (int i = 0; i < n_tokens; ++i) {
-      if (i > 0) pipe.run({&out.back(), 1}, int64_t(n + i - 1), step.data());
-      if (all_rows) step_logits.insert(step_logits.end(), step.begin(), step.end());
-      out.push_back(sampler.sample(step, sp, int64_t(n + i)));
+    while (const std::optional<int32_t> t = gen.step()) {
+      if (all_rows) step_logits.insert(step_logits.end(), gen.logits().begin(), gen.logits().end());
       if (text) {
-        std::fputs(text->feed(out.back()).c_str(), stdout);
+        std::fputs(text->feed(*t).c_str(), stdout);
         std::fflush(stdout);
       }
-      if (stop_at_eog && is_eog(out.back())) break;
     }
+    const std::vector<int32_t>& out = gen.tokens();
     if (text) std::printf("%s\n", text->flush().c_str());
     const auto t2 = std::chrono::steady_clock::now();
 

@@ -1,6 +1,7 @@
-// A pipeline stage: a mapped Llama GGUF, a range of decoder blocks, embed / forward / head, per-sequence state.
+// A pipeline stage: a range of decoder blocks of a Model, embed / forward / head, per-sequence state.
 //
-//   pp::Stage st("model.gguf", pp::LayerRange{0, 8});     // or Stage::open_stage(path, i, n)
+//   auto model = pp::Model::open("model.gguf");          // mapped and parsed once, shared by stages
+//   pp::Stage st(model, pp::LayerRange{0, 8});            // or Stage::open_stage(model, i, n)
 //   pp::Sequence seq = st.new_sequence();
 //   st.embed(tokens, rows);                               // first stage: [n, n_embd]
 //   st.forward(seq, pos, rows, n);                        // this stage's blocks, in place
@@ -15,7 +16,6 @@
 #include <pp/core/thread_pool.hpp>
 #include <pp/io/gguf.hpp>
 #include <pp/io/llama_loader.hpp>
-#include <pp/io/mmap.hpp>
 #include <pp/core/anonymous_region.hpp>
 #include <pp/kernels/matmul.hpp>
 #include <pp/kernels/ops.hpp>
@@ -25,6 +25,7 @@
 #include <pp/model/layer_range.hpp>
 #include <pp/model/rope.hpp>
 #include <pp/model/scratch.hpp>
+#include <pp/model.hpp>
 
 #include <algorithm>
 #include <cstring>
@@ -79,21 +80,36 @@ class Stage {
  public:
   static constexpr std::size_t kMaxSegments = 64;  // sequences per chunk of a batched step
 
-  Stage(const std::string& path, LayerRange range, StageOptions opt = {})
-      : file_(path), gguf_(gguf::parse(file_.bytes())), cfg_(llama::read_config(gguf_)) {
+  // Blocks `range` of an open model: no file is opened or parsed here, only the range's tensors read.
+  Stage(std::shared_ptr<const Model> model, LayerRange range, StageOptions opt = {})
+      : model_(std::move(model)), gguf_(model_->gguf()), cfg_(model_->config()) {
     init(range, opt);
   }
+  // Opens the file for this stage alone (Model::open, then the above).
+  Stage(const std::string& path, LayerRange range, StageOptions opt = {}) : Stage(Model::open(path), range, opt) {}
+
   // Stage `stage` of `n` through compute_layer_range over the model's blocks.
+  static std::unique_ptr<Stage> open_stage(std::shared_ptr<const Model> model, int stage, int n, StageOptions opt = {}) {
+    const LayerRange r = compute_layer_range(stage, n, int(model->config().n_layer));
+    return std::make_unique<Stage>(std::move(model), r, opt);
+  }
   static std::unique_ptr<Stage> open_stage(const std::string& path, int stage, int n, StageOptions opt = {}) {
-    auto s = std::unique_ptr<Stage>(new Stage(path));
-    s->init(compute_layer_range(stage, n, int(s->cfg_.n_layer)), opt);
-    return s;
+    return open_stage(Model::open(path), stage, n, opt);
   }
   // The whole model in one stage.
+  static std::unique_ptr<Stage> open_full(std::shared_ptr<const Model> model, StageOptions opt = {}) {
+    const LayerRange r{0, int(model->config().n_layer)};
+    return std::make_unique<Stage>(std::move(model), r, opt);
+  }
   static std::unique_ptr<Stage> open_full(const std::string& path, StageOptions opt = {}) {
-    auto s = std::unique_ptr<Stage>(new Stage(path));
-    s->init({0, int(s->cfg_.n_layer)}, opt);
-    return s;
+    return open_full(Model::open(path), opt);
+  }
+  Stage(const Stage&) = delete;
+  Stage& operator=(const Stage&) = delete;
+  // A mapped stage gives its tensors' pages back: the Model (and its mapping) may outlive it, as in a
+  // worker that re-splits between sessions.
+  ~Stage() {
+    for (std::span<const uint8_t> d : mapped_) model_->file().release(d);
   }
 
   const Config& config() const { return cfg_; }
@@ -110,8 +126,9 @@ class Stage {
   // sum blocks in another order than a build without them). It follows the file, not this stage's
   // range, so every stage of one model with the same settings reports the same profile.
   const std::string& kernel_profile() const { return kernel_profile_; }
+  const std::shared_ptr<const Model>& model() const { return model_; }
   const gguf::File& gguf() const { return gguf_; }
-  const MappedFile& file() const { return file_; }
+  const MappedFile& file() const { return model_->file(); }
   // Bytes of the tensors this stage reads (its share of the file).
   std::size_t bytes_used() const { return bytes_used_; }
 
@@ -200,9 +217,6 @@ class Stage {
   }
 
  private:
-  explicit Stage(const std::string& path)
-      : file_(path), gguf_(gguf::parse(file_.bytes())), cfg_(llama::read_config(gguf_)) {}
-
   void require(bool ok, const char* op) const {
     if (!ok)
       throw RequestError(std::string(op) + " is not available on a stage owning blocks [" +
@@ -216,7 +230,7 @@ class Stage {
       throw Error("layer range [" + std::to_string(range.lo) + ", " + std::to_string(range.hi) +
                   ") is not within the model's " + std::to_string(cfg_.n_layer) + " blocks");
     range_ = range;
-    ctx_ = opt.ctx ? opt.ctx : std::min<std::size_t>(4096, cfg_.ctx_len);
+    ctx_ = opt.ctx ? opt.ctx : model_->default_ctx();
     if (ctx_ > llama::kMaxCtx) throw Error("ctx " + std::to_string(ctx_) + " exceeds " + std::to_string(llama::kMaxCtx));
     max_rows_ = std::max<std::size_t>(1, std::min(opt.max_rows, ctx_));
     fast_quant_ = opt.fast_quant;
@@ -252,8 +266,10 @@ class Stage {
     for (const auto& n : used) bytes_used_ += gguf_.tensor(n)->n_bytes;
     if (opt.residency == Residency::Anonymous) {
       make_resident(used);
-    } else if (opt.prefetch) {
-      for (const auto& n : used) touch(gguf_.tensor(n)->data);
+    } else {
+      for (const auto& n : used) mapped_.push_back(gguf_.tensor(n)->data);
+      if (opt.prefetch)
+        for (std::span<const uint8_t> d : mapped_) touch(d);
     }
   }
 
@@ -268,7 +284,7 @@ class Stage {
       const gguf::TensorInfo* t = gguf_.tensor(n);
       uint8_t* dst = resident_.data() + off;
       std::memcpy(dst, t->data.data(), t->n_bytes);
-      file_.release(t->data);  // the copy is what counts now, not the file's pages as well
+      model_->file().release(t->data);  // the copy is what counts now, not the file's pages as well
       moved.emplace_back(t->data.data(), dst);
       off += (t->n_bytes + kAlign - 1) / kAlign * kAlign;
     }
@@ -290,14 +306,14 @@ class Stage {
 
   // Faults the pages of a tensor in now, so the first token does not pay for it.
   void touch(std::span<const uint8_t> d) {
-    file_.prefetch(d);
+    model_->file().prefetch(d);
     volatile uint8_t sink = 0;
     for (std::size_t i = 0; i < d.size(); i += 4096) sink = sink + d[i];
     (void)sink;
   }
 
-  MappedFile file_;
-  gguf::File gguf_;
+  std::shared_ptr<const Model> model_;
+  const gguf::File& gguf_;  // model_'s
   Config cfg_;
   LayerRange range_;
   std::size_t ctx_ = 0, max_rows_ = 32, bytes_used_ = 0;
@@ -307,6 +323,7 @@ class Stage {
   std::unique_ptr<ThreadPool> pool_;
   Rope rope_;
   AnonymousRegion resident_;  // the weights' copy under Residency::Anonymous
+  std::vector<std::span<const uint8_t>> mapped_;  // the tensors read from the mapping (Residency::Mapped)
   std::vector<llama::BlockTensors> blocks_;
   MatView embd_{}, output_{};
   const float* out_norm_ = nullptr;

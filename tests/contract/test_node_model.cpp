@@ -32,6 +32,7 @@
 #include "pp/io/gguf.hpp"
 #include "pp/io/llama_loader.hpp"
 #include "pp/io/mmap.hpp"
+#include "pp/generation.hpp"
 #include "pp/model/local_pipeline.hpp"
 #include "pp/kernels/simd.hpp"
 #include "pp/net/handshake.hpp"
@@ -200,16 +201,11 @@ struct Reference {
 Reference reference(const std::string& model, const std::vector<int>& cuts, const std::vector<int32_t>& prompt,
                     std::size_t n, const pp::SamplingParams& sp = {}, unsigned threads = 1) {
   pp::LocalPipeline pipe(model, cuts, pp::WireDType::F32, {.threads = threads});
-  const std::size_t V = pipe.config().n_vocab;
+  pp::Generation gen(pipe, {.sampling = sp, .max_tokens = n});
+  gen.prefill(prompt);
   Reference r;
-  std::vector<float> step(V);
-  pp::Sampler sampler;
-  pipe.run(prompt, 0, step.data(), 1);
-  for (std::size_t i = 0; i < n; ++i) {
-    if (i > 0) pipe.run({&r.tokens.back(), 1}, int64_t(prompt.size() + i - 1), step.data(), 1);
-    r.logits.insert(r.logits.end(), step.begin(), step.end());
-    r.tokens.push_back(sampler.sample(step, sp, int64_t(prompt.size() + i)));
-  }
+  while (gen.step()) r.logits.insert(r.logits.end(), gen.logits().begin(), gen.logits().end());
+  r.tokens = gen.tokens();
   return r;
 }
 

@@ -32,6 +32,7 @@
 #include "../common/node_process.hpp"
 #include "node/chat_template.hpp"
 #include "node/worker_status.hpp"
+#include "pp/generation.hpp"
 #include "pp/model/local_pipeline.hpp"
 #include "pp/text/sampler.hpp"
 #include "pp/text/tokenizer.hpp"
@@ -87,15 +88,9 @@ const Model& model() {
 // pp_generate's loop over pp::LocalPipeline (f32 wire: bit-identical to any split).
 std::vector<int32_t> reference(const std::vector<int32_t>& prompt, std::size_t n, const pp::SamplingParams& sp = {}) {
   pp::LocalPipeline pipe(model().path, {3}, pp::WireDType::F32, {.threads = 1});
-  std::vector<float> step(pipe.config().n_vocab);
-  pp::Sampler sampler;
-  std::vector<int32_t> out;
-  pipe.run(prompt, 0, step.data(), 1);
-  for (std::size_t i = 0; i < n; ++i) {
-    if (i > 0) pipe.run({&out.back(), 1}, int64_t(prompt.size() + i - 1), step.data(), 1);
-    out.push_back(sampler.sample(step, sp, int64_t(prompt.size() + i)));
-  }
-  return out;
+  pp::Generation gen(pipe, {.sampling = sp, .max_tokens = n});
+  gen.prefill(prompt);
+  return gen.run_to_end();
 }
 
 std::string text_of(const std::vector<int32_t>& ids) {

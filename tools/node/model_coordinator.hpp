@@ -139,7 +139,7 @@ inline std::string sampling_text(const SamplingParams& p) {
 
 
 // Prompt ids: --prompt-ids as given, or --prompt encoded (BOS as the tokenizer says).
-inline std::vector<int32_t> prompt_tokens(const ModelRunOptions& o, const std::optional<Tokenizer>& tok,
+inline std::vector<int32_t> prompt_tokens(const ModelRunOptions& o, const Tokenizer* tok,
                                           const std::string& tok_error, const Config& cfg, uint32_t ctx) {
   std::vector<int32_t> prompt = o.prompt_ids;
   if (prompt.empty()) {
@@ -420,28 +420,18 @@ inline int run_model_coordinator(const ModelRunOptions& o) {
   if (o.workers.empty()) throw UsageError{"--coordinator needs at least one worker HOST[:PORT]"};
 
   // Cuts are checked against the file's header before any weight is touched.
-  std::vector<int> cuts;
-  {
-    MappedFile f(o.path);
-    const Config c = llama::read_config(gguf::parse(f.bytes()));
-    cuts = detail::validated_cuts(o.cuts, o.workers.size(), int(c.n_layer));
-  }
+  const std::shared_ptr<const Model> model = Model::open(o.path);
+  const std::vector<int> cuts = detail::validated_cuts(o.cuts, o.workers.size(), int(model->config().n_layer));
   StageOptions so;
   so.ctx = o.ctx;
   so.threads = o.threads;
   so.residency = o.residency;
-  const Stage stage(o.path, LayerRange{0, cuts.front()}, so);
+  const Stage stage(model, LayerRange{0, cuts.front()}, so);
   const Config& cfg = stage.config();
-  const net::ModelIdentity id = net::identify_model(stage.file().bytes(), stage.gguf(), cfg, o.path);
+  const net::ModelIdentity id = net::identify_model(*model);
   const uint32_t ctx = uint32_t(stage.ctx());
-  std::optional<Tokenizer> tok;
-  std::string tok_error;
-  try {
-    tok = Tokenizer::from_gguf(stage.gguf());
-  } catch (const Error& e) {
-    tok_error = e.what();
-  }
-  const std::vector<int32_t> prompt = detail::prompt_tokens(o, tok, tok_error, cfg, ctx);
+  const Tokenizer* tok = model->tokenizer();
+  const std::vector<int32_t> prompt = detail::prompt_tokens(o, tok, model->tokenizer_error(), cfg, ctx);
 
   const net::NumericProfile mine = net::local_profile(stage);
   detail::Chain chain = detail::connect_chain(o, cuts, id, ctx, mine);

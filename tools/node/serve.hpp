@@ -145,16 +145,12 @@ inline int run_serve(const ModelRunOptions& run, const ServeOptions& so, const s
     front = std::make_unique<HttpFront>(fo);
     front->bind();
   }
-  int n_layer = 0;
-  uint32_t model_ctx = 0;
-  {
-    MappedFile f(run.path);
-    const Config c = llama::read_config(gguf::parse(f.bytes()));
-    n_layer = int(c.n_layer);
-    model_ctx = uint32_t(std::min<std::size_t>(4096, c.ctx_len));
-  }
+  const std::shared_ptr<const Model> model = Model::open(run.path);
+  const int n_layer = int(model->config().n_layer);
+  const uint32_t model_ctx = uint32_t(model->default_ctx());
   ServeConfig cfg;
   cfg.path = run.path;
+  cfg.model = model;
   cfg.workers = run.workers;
   cfg.ctx = run.ctx;
   cfg.cuts = so.cuts_auto ? serve_detail::auto_cuts(run, n_layer, run.ctx ? run.ctx : model_ctx, so.parallel,
@@ -192,7 +188,7 @@ inline int run_serve(const ModelRunOptions& run, const ServeOptions& so, const s
   serve_detail::print_stages(engine);
 
   ApiContext api;
-  api.tok = engine.tokenizer() ? &*engine.tokenizer() : nullptr;
+  api.tok = engine.tokenizer();
   api.tok_error = engine.tokenizer_error();
   api.ctx = engine.ctx();
   api.n_vocab = engine.config().n_vocab;

@@ -162,6 +162,7 @@ class Conversation {
 
 struct ServeConfig {
   std::string path;
+  std::shared_ptr<const Model> model;  // path opened; null: the engine opens it
   std::vector<net::Peer> workers;  // chain order
   std::vector<int> cuts;           // validated: one per worker
   uint32_t ctx = 0;                // 0: min(4096, model context)
@@ -199,16 +200,11 @@ class ServeEngine {
   static constexpr std::size_t kBatchRows = 128;
 
   // Reads the file's header (identity, geometry) and the tokenizer; maps nothing else yet.
-  explicit ServeEngine(ServeConfig cfg) : cfg_(std::move(cfg)), file_(cfg_.path) {
-    gguf_ = std::make_unique<gguf::File>(gguf::parse(file_.bytes()));
-    config_ = llama::read_config(*gguf_);
-    id_ = net::identify_model(file_.bytes(), *gguf_, config_, cfg_.path);
-    ctx_ = cfg_.ctx ? cfg_.ctx : uint32_t(std::min<std::size_t>(4096, config_.ctx_len));
-    try {
-      tok_ = Tokenizer::from_gguf(*gguf_);
-    } catch (const Error& e) {
-      tok_error_ = e.what();
-    }
+  explicit ServeEngine(ServeConfig cfg)
+      : cfg_(std::move(cfg)), model_(cfg_.model ? cfg_.model : Model::open(cfg_.path)), config_(model_->config()) {
+    id_ = net::identify_model(*model_, cfg_.path);
+    ctx_ = cfg_.ctx ? cfg_.ctx : uint32_t(model_->default_ctx());
+    tok_ = model_->tokenizer();
     int lo = cfg_.cuts.front();
     for (std::size_t i = 0; i < cfg_.workers.size(); ++i) {
       const int hi = i + 1 < cfg_.cuts.size() ? cfg_.cuts[i + 1] : int(config_.n_layer);
@@ -237,10 +233,10 @@ class ServeEngine {
 
   const Config& config() const { return config_; }
   const net::ModelIdentity& identity() const { return id_; }
-  const gguf::File& gguf() const { return *gguf_; }
+  const gguf::File& gguf() const { return model_->gguf(); }
   uint32_t ctx() const { return ctx_; }
-  const std::optional<Tokenizer>& tokenizer() const { return tok_; }
-  const std::string& tokenizer_error() const { return tok_error_; }
+  const Tokenizer* tokenizer() const { return tok_; }
+  const std::string& tokenizer_error() const { return model_->tokenizer_error(); }
   const std::vector<net::Hop>& hops() const { return hops_; }
   std::size_t n_stages() const { return hops_.size() + 1; }
   const Stage& stage() const { return *stage_; }
@@ -253,7 +249,7 @@ class ServeEngine {
     so.ctx = ctx_;
     so.threads = cfg_.threads;
     so.residency = cfg_.residency;
-    stage_ = std::make_unique<Stage>(cfg_.path, LayerRange{0, cfg_.cuts.front()}, so);
+    stage_ = std::make_unique<Stage>(model_, LayerRange{0, cfg_.cuts.front()}, so);
   }
 
   // The handshake with mux=1; throws naming the hop. Called before start(), and again by the scheduler
@@ -926,13 +922,11 @@ class ServeEngine {
   }
 
   ServeConfig cfg_;
-  MappedFile file_;
-  std::unique_ptr<gguf::File> gguf_;
+  std::shared_ptr<const Model> model_;
   Config config_;
   net::ModelIdentity id_;
   uint32_t ctx_ = 0;
-  std::optional<Tokenizer> tok_;
-  std::string tok_error_;
+  const Tokenizer* tok_ = nullptr;  // model_'s, if it has one
   std::vector<net::Hop> hops_;
   std::unique_ptr<Stage> stage_;
   net::Welcome welcome_;

@@ -7,6 +7,7 @@
 #include <pp/core/error.hpp>
 #include <pp/io/llama_loader.hpp>
 #include <pp/io/ollama.hpp>
+#include <pp/generation.hpp>
 #include <pp/stage.hpp>
 #include <pp/text/sampler.hpp>
 #include <pp/text/tokenizer.hpp>
@@ -46,7 +47,7 @@ class RealBackend final : public Backend {
  public:
   // Maps stage cfg.stage of cfg.num_stages of the GGUF at `path`. Throws pp::Error (exit 2) when
   // the model cannot be loaded or split that way.
-  RealBackend(const WorkerConfig& cfg, const std::string& path) : path_(path) {
+  RealBackend(const WorkerConfig& cfg, const std::string& path) {
     using Clock = std::chrono::steady_clock;
     const auto ms = [](Clock::time_point a, Clock::time_point b) {
       return std::chrono::duration<double, std::milli>(b - a).count();
@@ -58,7 +59,8 @@ class RealBackend final : public Backend {
     opt_ = opt;
 
     const auto t0 = Clock::now();
-    stage_ = Stage::open_stage(path, cfg.stage, cfg.num_stages, opt);
+    model_ = Model::open(path);
+    stage_ = Stage::open_stage(model_, cfg.stage, cfg.num_stages, opt);
     const auto t1 = Clock::now();
     std::size_t prefetched = 0;
     // Anonymous residency (the default) copied the tensors during the open: their file pages are gone
@@ -73,11 +75,7 @@ class RealBackend final : public Backend {
         prefetched += d.size();
       }
     const auto t2 = Clock::now();
-    try {
-      tok_.emplace(Tokenizer::from_gguf(stage_->gguf()));
-    } catch (const TokenizerError& e) {
-      tok_error_ = e.what();  // the stage still runs; tokenize/detokenize answer with this error
-    }
+    tok_ = model_->tokenizer();  // without one the stage still runs; tokenize/detokenize answer the error
     const auto t3 = Clock::now();
     seq_ = std::make_unique<Sequence>(stage_->new_sequence());
     const auto t4 = Clock::now();
@@ -107,8 +105,8 @@ class RealBackend final : public Backend {
                {"blocks", stage_->range().size()},
                {"threads", stage_->threads()},
                {"ctx", stage_->ctx()},
-               {"tokenizer", tok_.has_value()}};
-    if (!tok_) report_["tokenizer_error"] = tok_error_;
+               {"tokenizer", tok_ != nullptr}};
+    if (!tok_) report_["tokenizer_error"] = model_->tokenizer_error();
   }
 
   Geometry geometry() const override { return geo_; }
@@ -146,55 +144,36 @@ class RealBackend final : public Backend {
   }
 
   // Greedy over every block in this process, with no wire rounding: the reference a pipeline is
-  // checked against. The full-model stage maps the same file again (the page cache shares the
-  // pages) and is opened on first use; it keeps its own sequence, so the pipeline's cache is untouched.
+  // checked against. The full-model stage shares this stage's Model (one mapping) and is opened on
+  // first use; it keeps its own sequence, so the pipeline's cache is untouched.
   std::vector<int32_t> generate_full(std::span<const int32_t> prompt, int max_tokens) override {
     if (!full_) {
       try {
         StageOptions opt = opt_;
         opt.prefetch = true;
-        auto full = Stage::open_full(path_, opt);
-        full_seq_ = std::make_unique<Sequence>(full->new_sequence());
-        full_ = std::move(full);
+        full_ = std::make_unique<FullModel>(model_, opt);
       } catch (const std::bad_alloc&) {
         throw RequestError("out of memory opening the whole model with ctx " +
                            std::to_string(stage_->ctx()));
       }
     }
-    if (prompt.empty()) throw RequestError("the prompt has no tokens");
-    const std::size_t n = prompt.size(), d = full_->config().n_embd;
-    std::vector<float> rows(n * d);
-    full_->embed(prompt, rows.data());
-    full_->forward(*full_seq_, 0, rows.data(), n);
-    std::vector<int32_t> out;
-    out.reserve(std::size_t(std::min(max_tokens, 1 << 16)));
-    std::vector<float> logits(full_->config().n_vocab);
-    full_->head(*full_seq_, rows.data() + (n - 1) * d, 1, logits.data());
-    for (int i = 0; i < max_tokens; ++i) {
-      if (i > 0) {
-        full_->embed({&out.back(), 1}, rows.data());
-        full_->forward(*full_seq_, int64_t(n) + i - 1, rows.data(), 1);
-        full_->head(*full_seq_, rows.data(), 1, logits.data());
-      }
-      out.push_back(argmax(logits));
-    }
-    return out;
+    Generation gen(*full_, {.max_tokens = std::size_t(std::max(0, max_tokens))});  // greedy, no early stop
+    gen.prefill(prompt);
+    return gen.run_to_end();
   }
 
  private:
   const Tokenizer& tokenizer() const {
-    if (!tok_) throw RequestError("the model has no usable tokenizer: " + tok_error_);
+    if (!tok_) throw RequestError("the model has no usable tokenizer: " + model_->tokenizer_error());
     return *tok_;
   }
 
-  std::string path_;
+  std::shared_ptr<const Model> model_;
   StageOptions opt_;
   std::unique_ptr<Stage> stage_;     // owns the mapping the tokenizer's views point into
-  std::optional<Tokenizer> tok_;
-  std::string tok_error_;
+  const Tokenizer* tok_ = nullptr;  // model_'s, if it has one
   std::unique_ptr<Sequence> seq_;    // the protocol's one sequence: this stage's KV cache
-  std::unique_ptr<Stage> full_;      // generate_full's whole model, opened on first use
-  std::unique_ptr<Sequence> full_seq_;
+  std::unique_ptr<FullModel> full_;  // generate_full's whole model (sharing model_), opened on first use
   Sampler sampler_;
   std::vector<float> logits_;        // [vocab_size] the last row's logits
   Geometry geo_;

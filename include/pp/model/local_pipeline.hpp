@@ -37,17 +37,17 @@ class LocalPipeline {
   // cuts: block indices where one stage ends and the next begins (strictly increasing, inside (0, n_layer)).
   LocalPipeline(const std::string& path, const std::vector<int>& cuts, WireDType wire = WireDType::F32,
                 StageOptions opt = {})
+      : LocalPipeline(Model::open(path), cuts, wire, opt) {}
+  LocalPipeline(std::shared_ptr<const Model> model, const std::vector<int>& cuts, WireDType wire = WireDType::F32,
+                StageOptions opt = {})
       : wire_(wire) {
-    const int n_layer = [&] {
-      MappedFile f(path);
-      return int(llama::read_config(gguf::parse(f.bytes())).n_layer);
-    }();
+    const int n_layer = int(model->config().n_layer);
     int lo = 0;
     for (std::size_t i = 0; i <= cuts.size(); ++i) {
       const int hi = i < cuts.size() ? cuts[i] : n_layer;
       if (hi <= lo || hi > n_layer)
         throw Error("cuts must be strictly increasing within (0, " + std::to_string(n_layer) + ")");
-      stages_.push_back(std::make_unique<Stage>(path, LayerRange{lo, hi}, opt));
+      stages_.push_back(std::make_unique<Stage>(model, LayerRange{lo, hi}, opt));
       seqs_.push_back(stages_.back()->new_sequence());
       lo = hi;
     }
@@ -56,6 +56,7 @@ class LocalPipeline {
   }
 
   const Config& config() const { return stages_.front()->config(); }
+  const Model& model() const { return *stages_.front()->model(); }
   const Stage& stage(std::size_t i) const { return *stages_[i]; }
   std::size_t n_stages() const { return stages_.size(); }
 

@@ -25,6 +25,7 @@
 #include "pp/io/gguf.hpp"
 #include "pp/model/config.hpp"
 #include "pp/model/layer_range.hpp"
+#include "pp/model.hpp"
 #include "pp/net/socket.hpp"
 #include "pp/text/sampler.hpp"
 
@@ -61,6 +62,10 @@ inline ModelIdentity identify_model(std::span<const uint8_t> file_bytes, const g
   id.n_embd = static_cast<uint32_t>(c.n_embd);
   id.n_vocab = static_cast<uint32_t>(c.n_vocab);
   return id;
+}
+// The same for an open model; `name` (default: the model's path) gives the file name messages show.
+inline ModelIdentity identify_model(const Model& m, const std::string& name = {}) {
+  return identify_model(m.file().bytes(), m.gguf(), m.config(), name.empty() ? m.path() : name);
 }
 
 // The numeric profile of one end: results are bit-identical across ends only with the same kernels.

@@ -78,13 +78,11 @@ class ModelWorker {
 
   // Reads the file's header only (fingerprint and geometry); stages map their tensors per session.
   // The file stays open: stages map the very file identified here, even if its path is renamed over.
-  ModelWorker(ModelWorkerOptions opt, Log log) : opt_(std::move(opt)), log_(std::move(log)), file_(opt_.path) {
-    MappedFile f(file_.path());
-    const gguf::File g = gguf::parse(f.bytes());
-    const Config c = llama::read_config(g);
-    id_ = identify_model(f.bytes(), g, c, opt_.path);
-    const uint32_t model_ctx = static_cast<uint32_t>(std::min<std::size_t>(c.ctx_len, llama::kMaxCtx));
-    if (opt_.max_ctx == 0) opt_.max_ctx = std::min<uint32_t>(4096, model_ctx);
+  ModelWorker(ModelWorkerOptions opt, Log log)
+      : opt_(std::move(opt)), log_(std::move(log)), file_(opt_.path), model_(Model::open(file_.path())) {
+    const Config& c = model_->config();
+    id_ = identify_model(*model_, opt_.path);
+    if (opt_.max_ctx == 0) opt_.max_ctx = static_cast<uint32_t>(model_->default_ctx());
     kv_bytes_per_layer_ = uint64_t{opt_.max_ctx} * c.kv_dim() * 2 * sizeof(float);
   }
 
@@ -423,7 +421,7 @@ class ModelWorker {
     so.threads = opt_.threads;
     so.prefetch = opt_.prefetch;
     so.residency = opt_.residency;
-    auto st = std::make_shared<const Stage>(file_.path(), r, so);
+    auto st = std::make_shared<const Stage>(model_, r, so);
     stages_.emplace(key, st);
     std::string desc;
     for (const auto& [k, v] : stages_)
@@ -441,6 +439,7 @@ class ModelWorker {
   ModelWorkerOptions opt_;
   Log log_;
   HeldFile file_;               // the model file identified at start; stages map it, not the path
+  std::shared_ptr<const Model> model_;  // file_ mapped once, shared by every stage
   bool replaced_logged_ = false;  // under load_mu_
   ModelIdentity id_;
   std::atomic<std::size_t> slots_{0};  // sessions holding a SessionSlot

@@ -52,14 +52,14 @@ inline uint64_t mem_available_bytes() {
 // 0..7 and takes the median of the last six runs (the first two warm caches and the pool).
 inline ProbeReport measure_probe(const std::string& path, unsigned threads, uint32_t max_ctx) {
   using clock = std::chrono::steady_clock;
-  MappedFile f(path);
-  const gguf::File g = gguf::parse(f.bytes());
-  const Config c = llama::read_config(g);
+  const std::shared_ptr<const Model> model = Model::open(path);
+  const gguf::File& g = model->gguf();
+  const Config& c = model->config();
   const int mid = int(c.n_layer) / 2;
   StageOptions so;
   so.ctx = 16;
   so.threads = threads;
-  const Stage st(path, LayerRange{mid, mid + 1}, so);
+  const Stage st(model, LayerRange{mid, mid + 1}, so);
   Sequence seq = st.new_sequence();
   Buffer<float> row(c.n_embd);  // [1, n_embd]
   std::vector<double> us;
