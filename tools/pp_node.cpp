@@ -23,7 +23,6 @@
 #include "node/psk.hpp"
 #include "node/serve.hpp"
 #include "pp/core/error.hpp"
-#include "pp/core/sha256.hpp"
 #include "pp/io/ollama.hpp"
 #include "pp/net/channel.hpp"
 #include "pp/net/frame.hpp"
@@ -32,6 +31,7 @@
 #include "pp/net/placeholder.hpp"
 #include "pp/net/placeholder_worker.hpp"
 #include "pp/net/server.hpp"
+#include "pp/net/sha256.hpp"
 #include "pp/net/socket.hpp"
 
 namespace {

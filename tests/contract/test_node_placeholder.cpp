@@ -33,10 +33,10 @@
 #include "../common/fake_peer.hpp"
 #include "../common/node_process.hpp"
 #include "pp/core/error.hpp"
-#include "pp/core/sha256.hpp"
 #include "pp/net/frame.hpp"
 #include "pp/net/latency.hpp"
 #include "pp/net/placeholder.hpp"
+#include "pp/net/sha256.hpp"
 
 namespace {
 

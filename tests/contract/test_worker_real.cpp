@@ -13,8 +13,8 @@
 #include "worker/startup.hpp"
 
 #include <pp/core/float16.hpp>
-#include <pp/core/sha256.hpp>
 #include <pp/model/layer_range.hpp>
+#include <pp/net/sha256.hpp>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>

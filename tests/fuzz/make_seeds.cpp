@@ -11,7 +11,7 @@
 #include <pp/io/gguf.hpp>
 #include <pp/io/gguf_writer.hpp>
 #include <pp/io/mmap.hpp>
-#include <pp/kernels/quant.hpp>
+#include <pp/io/quantize.hpp>
 #include <pp/net/auth.hpp>
 #include <pp/net/frame.hpp>
 #include <pp/net/handshake.hpp>

@@ -1,8 +1,10 @@
 // Quantized formats: hand-computed blocks per type, SIMD dequantization, both dot paths on every arch, synth.
 #include <pp/core/float16.hpp>
 #include <pp/core/thread_pool.hpp>
+#include <pp/io/quantize.hpp>
 #include <pp/kernels/matmul.hpp>
 #include <pp/kernels/quant.hpp>
+#include <pp/kernels/quant_blocks.hpp>
 #include <pp/stage.hpp>
 
 #include "../../tools/common/synth.hpp"

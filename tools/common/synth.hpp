@@ -3,7 +3,7 @@
 // Weights follow the recipe of ../shared/fixtures/REFCHECK-FIXTURES.txt so logits are not degenerate:
 // normal draws (one generator per tensor, seeded from the model seed and the tensor name) scaled per
 // matrix kind and rounded to the bfloat16 grid, so F32/F16/BF16 files hold the same values; quantized
-// files hold those values quantized (kernels/quant.hpp), in llama-quantize's per-tensor type mixes.
+// files hold those values quantized (io/quantize.hpp), in llama-quantize's per-tensor type mixes.
 #pragma once
 
 #include <pp/core/error.hpp>
@@ -11,7 +11,7 @@
 #include <pp/io/gguf.hpp>
 #include <pp/io/gguf_writer.hpp>
 #include <pp/io/mmap.hpp>
-#include <pp/kernels/quant.hpp>
+#include <pp/io/quantize.hpp>
 #include <pp/text/sampler.hpp>
 
 #include <cmath>

@@ -18,7 +18,6 @@
 
 #include "pp/core/buffer.hpp"
 #include "pp/core/error.hpp"
-#include "pp/core/sha256.hpp"
 #include "pp/io/gguf.hpp"
 #include "pp/io/llama_loader.hpp"
 #include "pp/io/mmap.hpp"
@@ -29,6 +28,7 @@
 #include "pp/net/model_frame.hpp"
 #include "pp/net/model_link.hpp"
 #include "pp/net/model_worker.hpp"
+#include "pp/net/sha256.hpp"
 #include "pp/stage.hpp"
 #include "pp/text/sampler.hpp"
 #include "pp/text/tokenizer.hpp"

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <pp/core/error.hpp>
+#include <pp/core/hex.hpp>
 
 #include <array>
 #include <cstddef>
@@ -59,8 +60,9 @@ inline constexpr auto kDecode = [] {
 inline std::string describe(char c) {
   const auto u = uint8_t(c);
   if (u >= 0x21 && u < 0x7f) return std::string("'") + c + "'";
-  static constexpr char hex[] = "0123456789abcdef";
-  return std::string("byte 0x") + hex[u >> 4] + hex[u & 15];
+  std::string s = "byte 0x";
+  append_hex(s, u);
+  return s;
 }
 
 inline Base64Error bad_char(const uint8_t* s, size_t i) {

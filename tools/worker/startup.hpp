@@ -4,6 +4,7 @@
 #include "wire.hpp"
 
 #include <pp/core/error.hpp>
+#include <pp/core/hex.hpp>
 
 #include <cstdint>
 #include <cstdlib>
@@ -74,14 +75,12 @@ inline std::optional<int64_t> parse_ascii_decimal(std::string_view s) {
 
 // The value as it appeared, quoted, with control bytes escaped so the message stays one line.
 inline std::string quote_value(std::string_view s) {
-  static constexpr char hex[] = "0123456789abcdef";
   std::string q = "'";
   for (char c : s) {
     const auto u = uint8_t(c);
     if (u < 0x20 || u == 0x7f) {
       q += "\\x";
-      q += hex[u >> 4];
-      q += hex[u & 15];
+      append_hex(q, u);
     } else {
       q += c;
     }

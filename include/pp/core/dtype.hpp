@@ -6,7 +6,7 @@
 
 namespace pp {
 
-// F32 / F16 / BF16 are plain elements; the rest are ggml's block-quantized formats (see kernels/quant.hpp).
+// F32 / F16 / BF16 are plain elements; the rest are ggml's block-quantized formats (see kernels/quant_blocks.hpp).
 enum class DType : uint8_t { F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K };
 
 inline bool is_quantized(DType t) { return t >= DType::Q8_0; }

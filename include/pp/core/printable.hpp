@@ -2,9 +2,10 @@
 #pragma once
 
 #include <cstddef>
-#include <cstdio>
 #include <string>
 #include <string_view>
+
+#include "pp/core/hex.hpp"
 
 namespace pp {
 
@@ -24,9 +25,8 @@ inline std::string printable(std::string_view s, std::size_t max_bytes = 256) {
     } else if (c == '\n') {
       out += "\\n";
     } else if (c < 0x20 || c >= 0x7f) {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\x%02x", c);
-      out += buf;
+      out += "\\x";
+      append_hex(out, c);
     } else {
       out += char(c);
     }

@@ -19,7 +19,7 @@
 #include <pp/core/buffer.hpp>
 #include <pp/core/dtype.hpp>
 #include <pp/kernels/gemm.hpp>
-#include <pp/kernels/quant.hpp>
+#include <pp/kernels/quant_blocks.hpp>
 
 #include <algorithm>
 #include <array>

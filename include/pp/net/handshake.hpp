@@ -20,12 +20,13 @@
 #include <vector>
 
 #include "pp/core/error.hpp"
+#include "pp/core/hex.hpp"
 #include "pp/core/printable.hpp"
-#include "pp/core/sha256.hpp"
 #include "pp/io/gguf.hpp"
 #include "pp/model/config.hpp"
 #include "pp/model/layer_range.hpp"
 #include "pp/model.hpp"
+#include "pp/net/sha256.hpp"
 #include "pp/net/socket.hpp"
 #include "pp/text/sampler.hpp"
 

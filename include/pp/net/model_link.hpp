@@ -17,12 +17,12 @@
 #include <vector>
 
 #include "pp/core/error.hpp"
-#include "pp/core/sha256.hpp"
 #include "pp/net/auth.hpp"
 #include "pp/net/channel.hpp"
 #include "pp/net/frame.hpp"
 #include "pp/net/handshake.hpp"
 #include "pp/net/model_frame.hpp"
+#include "pp/net/sha256.hpp"
 #include "pp/net/socket.hpp"
 
 namespace pp::net {

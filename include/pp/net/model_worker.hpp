@@ -25,6 +25,7 @@
 
 #include "pp/core/buffer.hpp"
 #include "pp/core/error.hpp"
+#include "pp/core/hex.hpp"
 #include "pp/io/gguf.hpp"
 #include "pp/io/held_file.hpp"
 #include "pp/io/llama_loader.hpp"
@@ -233,13 +234,6 @@ class ModelWorker {
                  std::to_string(left) + " active)");
     }
   };
-
-  static std::string to_hex_u64(uint64_t v) {
-    static constexpr char kHex[] = "0123456789abcdef";
-    std::string s(16, '0');
-    for (int i = 15; i >= 0; --i, v >>= 4) s[static_cast<std::size_t>(i)] = kHex[v & 15];
-    return s;
-  }
 
   void log(const std::string& line) const {
     if (log_) log_(line);

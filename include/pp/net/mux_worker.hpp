@@ -26,6 +26,7 @@
 
 #include "pp/core/buffer.hpp"
 #include "pp/core/error.hpp"
+#include "pp/core/hex.hpp"
 #include "pp/net/channel.hpp"
 #include "pp/net/handshake.hpp"
 #include "pp/net/model_frame.hpp"
@@ -126,14 +127,8 @@ class MuxConnection {
   };
 
   void log(const std::string& line) const {
-    if (s_.log) s_.log("connection " + hex(s_.connection) + " (stage " + std::to_string(s_.stage_index) + "): " + line);
-  }
-
-  static std::string hex(uint64_t v) {
-    static constexpr char kHex[] = "0123456789abcdef";
-    std::string s(16, '0');
-    for (int i = 15; i >= 0; --i, v >>= 4) s[std::size_t(i)] = kHex[v & 15];
-    return s;
+    if (s_.log)
+      s_.log("connection " + to_hex_u64(s_.connection) + " (stage " + std::to_string(s_.stage_index) + "): " + line);
   }
 
   void send_up(ModelHeader h, std::span<const uint8_t> payload) {
