@@ -4,7 +4,7 @@
 // exact single-process reference for a distributed pipeline. --logits-out writes the golden JSON format
 // of ../shared/fixtures (prompt logits, greedy ids, per-step logits) for comparison with references.
 #include <pp/generation.hpp>
-#include <pp/model/local_pipeline.hpp>
+#include <pp/local_pipeline.hpp>
 #include <pp/text/sampler.hpp>
 #include <pp/text/tokenizer.hpp>
 

@@ -14,7 +14,7 @@
 
 #include <pp/core/buffer.hpp>
 #include <pp/core/error.hpp>
-#include <pp/model/local_pipeline.hpp>
+#include <pp/local_pipeline.hpp>
 #include <pp/stage.hpp>
 #include <pp/text/sampler.hpp>
 #include <pp/text/tokenizer.hpp>

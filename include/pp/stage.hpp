@@ -31,6 +31,7 @@
 #include <cstring>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -66,14 +67,12 @@ struct StageOptions {
   Residency residency = Residency::Anonymous;
 };
 
-// Per-sequence state of one stage.
+// Per-sequence state of one stage: its KV cache (activations are the stage's, see Stage::scratch_).
 class Sequence {
  public:
-  Sequence(const Config& c, std::size_t n_blocks, std::size_t ctx, std::size_t max_rows, unsigned threads)
-      : kv(n_blocks, ctx, c.n_head_kv, c.head_dim), scratch(c, max_rows, ctx, threads) {}
+  Sequence(const Config& c, std::size_t n_blocks, std::size_t ctx) : kv(n_blocks, ctx, c.n_head_kv, c.head_dim) {}
   int64_t n_past() const { return kv.n_past(); }
   KvCache kv;
-  Scratch scratch;
 };
 
 class Stage {
@@ -132,7 +131,7 @@ class Stage {
   // Bytes of the tensors this stage reads (its share of the file).
   std::size_t bytes_used() const { return bytes_used_; }
 
-  Sequence new_sequence() const { return Sequence(cfg_, blocks_.size(), ctx_, max_rows_, pool_->size()); }
+  Sequence new_sequence() const { return Sequence(cfg_, blocks_.size(), ctx_); }
 
   // out[n, n_embd] = embedding rows of `tokens` (first stage). Throws RequestError on an id out of range.
   void embed(std::span<const int32_t> tokens, float* out) const {
@@ -165,7 +164,7 @@ class Stage {
   // Several sequences through this stage together: rows holds every entry's rows, concatenated
   // ([sum n, n_embd], in place). Each weight is read once per chunk of up to max_rows rows for all of
   // them, and each row's result is the same as if its sequence ran alone. Every entry is validated
-  // before anything changes; the sequences must be distinct. Uses the first sequence's scratch.
+  // before anything changes; the sequences must be distinct. Calls from several threads take turns.
   void forward_batch(std::span<const BatchEntry> batch, float* rows) const {
     if (batch.empty()) return;
     for (std::size_t i = 0; i < batch.size(); ++i) {
@@ -174,7 +173,8 @@ class Stage {
         if (batch[j].seq == batch[i].seq) throw RequestError("a sequence appears twice in one batch");
     }
     const std::size_t hp = cfg_.head_dim / 2;
-    Scratch& s = batch[0].seq->scratch;
+    std::lock_guard lock(run_mu_);
+    Scratch& s = scratch_;
     Segment segs[kMaxSegments];
     std::size_t entry = 0, done = 0;  // next row to run: row `done` of batch[entry]
     float* x = rows;
@@ -203,7 +203,9 @@ class Stage {
   // logits[n, n_vocab] of rows[n, n_embd]: final norm and output projection (last stage).
   void head(Sequence& seq, const float* rows, std::size_t n, float* logits) const {
     require(is_last(), "head");
-    Scratch& s = seq.scratch;
+    (void)seq;  // the head reads no cache: any sequence's rows
+    std::lock_guard lock(run_mu_);
+    Scratch& s = scratch_;
     for (std::size_t c0 = 0; c0 < n; c0 += max_rows_) {
       const std::size_t m = std::min(max_rows_, n - c0);
       for (std::size_t i = 0; i < m; ++i)
@@ -244,6 +246,7 @@ class Stage {
     kernel_profile_ = std::string(simd::Best::name()) + (fast_float_ && bf16_blocks ? "+bf16dot" : "") +
                       (q8_blocks && kernels::bulk_on_tiles(DType::Q8_0, fast_quant_) ? "+q8tiles" : "");
     pool_ = std::make_unique<ThreadPool>(opt.threads);
+    scratch_ = Scratch(cfg_, max_rows_, ctx_, pool_->size());
     rope_ = Rope(cfg_.head_dim, cfg_.rope_base, llama::rope_freq_factors(gguf_, cfg_));
 
     std::vector<std::string> used;
@@ -321,10 +324,15 @@ class Stage {
   bool fast_float_ = false;
   std::string kernel_profile_;  // see kernel_profile()
   std::unique_ptr<ThreadPool> pool_;
+  // The activations of one chunk, sized by max_rows, ctx and the pool, backed as requests use them: the
+  // executor's, not a sequence's, so a session holds only its KV cache. run_mu_ gives them (and the
+  // pool) to one forward / head call at a time.
+  mutable std::mutex run_mu_;
+  mutable Scratch scratch_;
   Rope rope_;
   AnonymousRegion resident_;  // the weights' copy under Residency::Anonymous
   std::vector<std::span<const uint8_t>> mapped_;  // the tensors read from the mapping (Residency::Mapped)
-  std::vector<llama::BlockTensors> blocks_;
+  std::vector<BlockWeights> blocks_;
   MatView embd_{}, output_{};
   const float* out_norm_ = nullptr;
 };

@@ -28,7 +28,7 @@ class ReferenceModel {
     }
     const std::vector<float> ff = llama::rope_freq_factors(g_, c_);
     for (std::size_t l = 0; l < c_.n_layer; ++l) {
-      const llama::BlockTensors w = llama::block_tensors(g_, c_, int(l));
+      const BlockWeights w = llama::block_tensors(g_, c_, int(l));
       std::vector<double> xn = norm(x, n, w.attn_norm);
       std::vector<double> q = mul(w.wq, xn, n), k = mul(w.wk, xn, n), v = mul(w.wv, xn, n);
       for (std::size_t i = 0; i < n; ++i) {

@@ -1,5 +1,5 @@
 // pp_generate as users run it: its simulated split equals hand-chained stages bit for bit (bf16 and f32 wires).
-#include <pp/model/local_pipeline.hpp>
+#include <pp/local_pipeline.hpp>
 #include <pp/stage.hpp>
 #include <pp/text/sampler.hpp>
 

@@ -33,7 +33,7 @@
 #include "pp/io/mmap.hpp"
 #include "pp/generation.hpp"
 #include "pp/kernels/simd.hpp"
-#include "pp/model/local_pipeline.hpp"
+#include "pp/local_pipeline.hpp"
 #include "pp/net/handshake.hpp"
 #include "pp/net/model_frame.hpp"
 #include "pp/net/model_link.hpp"

@@ -33,7 +33,7 @@
 #include "node/chat_template.hpp"
 #include "node/worker_status.hpp"
 #include "pp/generation.hpp"
-#include "pp/model/local_pipeline.hpp"
+#include "pp/local_pipeline.hpp"
 #include "pp/text/sampler.hpp"
 #include "pp/text/tokenizer.hpp"
 

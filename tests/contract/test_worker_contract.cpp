@@ -111,7 +111,7 @@ TEST(Startup, StubModeByFlagAsWellAsEnvironment) {
   EXPECT_EQ(w.ready().at("hidden_dim"), 16);
 }
 
-TEST(Startup, WireDtypeF16IsAnnounced) {
+TEST(Startup, WireDTypeF16IsAnnounced) {
   Worker w(stub_env(0, 2, {{"PP_WIRE_DTYPE", "f16"}}));
   EXPECT_EQ(w.ready().at("wire_dtype"), "f16");
 }
@@ -171,7 +171,7 @@ TEST(StartupEnv, StageMissing) {
 TEST(StartupEnv, NumStagesMissing) {
   expect_startup_refused({{"STAGE", "0"}, {"PP_WORKER_STUB", "1"}}, "NUM_STAGES", "not set");
 }
-TEST(StartupEnv, UnknownWireDtype) {
+TEST(StartupEnv, UnknownWireDType) {
   expect_startup_refused(stub_env(0, 2, {{"PP_WIRE_DTYPE", "f32"}}), "PP_WIRE_DTYPE", "'f32'");
 }
 TEST(StartupEnv, RefusedEvenInRealMode) {

@@ -37,7 +37,7 @@ void load_model(const pp::gguf::File& f) {
   const std::vector<float> freqs = llama::rope_freq_factors(f, c);
   if (freqs.size() != c.head_dim / 2) fail("rope_freq_factors has the wrong length");
   for (std::size_t l = 0; l < c.n_layer; ++l) {
-    const llama::BlockTensors b = llama::block_tensors(f, c, int(l));
+    const pp::BlockWeights b = llama::block_tensors(f, c, int(l));
     touch(b.attn_norm, c.n_embd * sizeof(float));
     touch(b.ffn_norm, c.n_embd * sizeof(float));
     const auto name = [&](const char* w) { return llama::tensor_name(int(l), w); };

@@ -36,6 +36,7 @@ namespace {
 
 namespace worker = pp::worker;
 using pp::fuzz::fail;
+using pp::WireDType;
 
 struct Stage {
   std::unique_ptr<worker::Backend> backend;
@@ -62,18 +63,18 @@ struct World {
   World() {
     struct Shape {
       int stage, num_stages;
-      worker::WireDtype dtype;
+      WireDType dtype;
     };
-    for (const Shape& s : {Shape{0, 3, worker::WireDtype::bf16}, Shape{1, 3, worker::WireDtype::f16},
-                           Shape{2, 3, worker::WireDtype::bf16}, Shape{1, 2, worker::WireDtype::f16}}) {
+    for (const Shape& s : {Shape{0, 3, WireDType::BF16}, Shape{1, 3, WireDType::F16},
+                           Shape{2, 3, WireDType::BF16}, Shape{1, 2, WireDType::F16}}) {
       worker::WorkerConfig cfg;
       cfg.stage = s.stage, cfg.num_stages = s.num_stages, cfg.stub = true, cfg.wire_dtype = s.dtype;
       cfg.ctx = 256;  // small: a line can ask for ctx rows
       add(cfg, std::make_unique<worker::StubBackend>(cfg.stage, cfg.num_stages, *cfg.ctx, 0));
     }
     const std::string model = (pp::fuzz::test_data() / "golden-tiny" / "golden-tiny-f32.gguf").string();
-    for (const Shape& s : {Shape{0, 2, worker::WireDtype::bf16}, Shape{1, 3, worker::WireDtype::f16},
-                           Shape{1, 2, worker::WireDtype::bf16}}) {
+    for (const Shape& s : {Shape{0, 2, WireDType::BF16}, Shape{1, 3, WireDType::F16},
+                           Shape{1, 2, WireDType::BF16}}) {
       worker::WorkerConfig cfg;
       cfg.stage = s.stage, cfg.num_stages = s.num_stages, cfg.wire_dtype = s.dtype;
       cfg.ctx = 64, cfg.threads = 1;

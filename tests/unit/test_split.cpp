@@ -1,5 +1,5 @@
 // Split invariance: stages chained in one process give the unsplit logits bit for bit (f32 residual).
-#include <pp/model/local_pipeline.hpp>
+#include <pp/local_pipeline.hpp>
 #include <pp/stage.hpp>
 #include <pp/text/sampler.hpp>
 

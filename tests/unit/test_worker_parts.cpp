@@ -19,6 +19,7 @@
 namespace {
 
 using namespace pp::worker;
+using pp::WireDType;
 
 // A plain bit-by-bit encoder, the oracle for the table-driven one.
 std::string reference_b64(const std::string& in) {
@@ -132,7 +133,7 @@ TEST(Wire, Bf16RoundsToNearestEvenAndKeepsNaN) {
   const float values[] = {1.0f, std::bit_cast<float>(0x3f808000u), std::bit_cast<float>(0x3f818000u),
                           std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::infinity()};
   std::string b64;
-  append_hidden_b64(b64, values, 5, WireDtype::bf16, scratch);
+  append_hidden_b64(b64, values, 5, WireDType::BF16, scratch);
   const std::string raw = base64::decode(b64);
   ASSERT_EQ(raw.size(), 10u);
   auto at = [&](int i) { return uint16_t(uint8_t(raw[2 * i]) | uint8_t(raw[2 * i + 1]) << 8); };
@@ -149,10 +150,10 @@ TEST(Wire, F16OverflowBecomesInfinityAndIsRefusedOnDecode) {
   std::vector<float> rows;
   const float values[] = {-1.5f, 70000.0f};
   std::string b64;
-  append_hidden_b64(b64, values, 2, WireDtype::f16, scratch);
+  append_hidden_b64(b64, values, 2, WireDType::F16, scratch);
   EXPECT_EQ(scratch[1], 0x7c00);
   try {
-    decode_hidden_b64(b64, 1, 2, WireDtype::f16, scratch, rows, 9);
+    decode_hidden_b64(b64, 1, 2, WireDType::F16, scratch, rows, 9);
     FAIL() << "an infinity was accepted";
   } catch (const pp::RequestError& e) {
     EXPECT_STREQ(e.what(), "field 'hidden_b64': row 0 (position 9), column 1 is +inf (f16 0x7c00): hidden states "
@@ -164,7 +165,7 @@ TEST(Wire, F16OverflowBecomesInfinityAndIsRefusedOnDecode) {
 TEST(Wire, NonFiniteValuesAreRefusedNamingRowPositionAndColumn) {
   std::vector<uint16_t> scratch;
   std::vector<float> rows;
-  for (const WireDtype dt : {WireDtype::bf16, WireDtype::f16}) {
+  for (const WireDType dt : {WireDType::BF16, WireDType::F16}) {
     for (const float bad : {std::nanf(""), -INFINITY}) {
       std::vector<float> v(3 * 4, 0.25f);
       v[2 * 4 + 3] = bad;
@@ -180,7 +181,7 @@ TEST(Wire, NonFiniteValuesAreRefusedNamingRowPositionAndColumn) {
       }
     }
     // Finite extremes pass: the largest finite value, the smallest subnormal, negative zero.
-    const float ok[] = {dt == WireDtype::f16 ? 65504.0f : 3.0e38f, -0.0f, dt == WireDtype::f16 ? 6e-8f : 1e-40f};
+    const float ok[] = {dt == WireDType::F16 ? 65504.0f : 3.0e38f, -0.0f, dt == WireDType::F16 ? 6e-8f : 1e-40f};
     std::string b64;
     append_hidden_b64(b64, ok, 3, dt, scratch);
     decode_hidden_b64(b64, 1, 3, dt, scratch, rows, 0);
@@ -193,7 +194,7 @@ TEST(Wire, LengthMismatchBothWaysNamesTheNumbers) {
   std::vector<float> rows;
   for (size_t bytes : {size_t(30), size_t(34)}) {
     try {
-      decode_hidden_b64(base64::encode(std::string(bytes, 'a')), 1, 16, WireDtype::bf16, scratch, rows);
+      decode_hidden_b64(base64::encode(std::string(bytes, 'a')), 1, 16, WireDType::BF16, scratch, rows);
       FAIL() << bytes;
     } catch (const pp::RequestError& e) {
       EXPECT_NE(std::string(e.what()).find("decodes to " + std::to_string(bytes) + " bytes, expected 32"),
@@ -414,7 +415,7 @@ TEST(Startup, LineLimitCoversTheLargestRequest) {
   EXPECT_GT(max_line_bytes(4096, 2048), size_t(22) * 1000 * 1000);  // 4096-token prefill of the 1B model
 }
 
-TEST(Stub, ValuesAreExactInBothWireDtypesAndNeverZero) {
+TEST(Stub, ValuesAreExactInBothWireDTypesAndNeverZero) {
   StubBackend stub(0, 2, 4096, 0);
   std::vector<float> rows;
   const int32_t toks[] = {0, 1, 2, 3, 1000000};

@@ -21,7 +21,7 @@
 #include "pp/io/gguf.hpp"
 #include "pp/io/llama_loader.hpp"
 #include "pp/io/mmap.hpp"
-#include "pp/model/local_pipeline.hpp"
+#include "pp/local_pipeline.hpp"
 #include "pp/net/auth.hpp"
 #include "pp/net/handshake.hpp"
 #include "pp/net/latency.hpp"

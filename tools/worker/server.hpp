@@ -286,7 +286,7 @@ class Server {
 
   Backend& backend_;
   Geometry geo_;
-  WireDtype dtype_;
+  WireDType dtype_;
   LineWriter& out_;
   Events& events_;
   ServeStats& stats_;

@@ -43,7 +43,7 @@ struct WorkerConfig {
   std::optional<std::string> model;  // --model, else $MODEL (real mode)
   std::optional<int64_t> ctx;        // --ctx, else PP_CTX; absent: the backend's default
   int64_t threads = 0;               // PP_THREADS: compute threads of real mode; 0 = every core
-  WireDtype wire_dtype = WireDtype::bf16;
+  WireDType wire_dtype = WireDType::BF16;
   bool events_on_stdout = false;
   int64_t heartbeat_secs = kDefaultHeartbeatSecs;
   int64_t stub_delay_ms = 0;  // test hook: every stub op sleeps this long
@@ -171,9 +171,9 @@ inline WorkerConfig read_config(const CliOptions& cli, const EnvLookup& env = []
 
   if (auto v = detail::optional_env(env, "PP_WIRE_DTYPE")) {
     if (*v == "bf16" || *v == "bfloat16") {
-      c.wire_dtype = WireDtype::bf16;
+      c.wire_dtype = WireDType::BF16;
     } else if (*v == "f16" || *v == "float16") {
-      c.wire_dtype = WireDtype::f16;
+      c.wire_dtype = WireDType::F16;
     } else {
       throw StartupError("PP_WIRE_DTYPE=" + quote_value(*v) + " is not bf16 or f16");
     }

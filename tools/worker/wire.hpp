@@ -5,6 +5,7 @@
 
 #include <pp/core/error.hpp>
 #include <pp/core/float16.hpp>
+#include <pp/core/wire_dtype.hpp>
 
 #include <bit>
 #include <cstdint>
@@ -18,19 +19,16 @@ namespace pp::worker {
 
 static_assert(std::endian::native == std::endian::little, "the wire is little-endian; add byte swaps here");
 
-enum class WireDtype { bf16, f16 };
-
-inline const char* wire_dtype_name(WireDtype d) { return d == WireDtype::bf16 ? "bf16" : "f16"; }
-
+// The worker protocol's hidden states are bf16 or f16 (pp::WireDType; startup.hpp refuses f32).
 inline constexpr size_t kWireBytesPerValue = 2;
 
 // Appends base64 of rows [n_values] f32 -> wire dtype (bf16 round-to-nearest-even or IEEE half;
 // NaN stays NaN, values beyond the half range become infinities). `scratch` is reused storage.
-inline void append_hidden_b64(std::string& out, const float* rows, size_t n_values, WireDtype dtype,
+inline void append_hidden_b64(std::string& out, const float* rows, size_t n_values, WireDType dtype,
                               std::vector<uint16_t>& scratch) {
   scratch.resize(n_values);
   uint16_t* w = scratch.data();
-  if (dtype == WireDtype::bf16) {
+  if (dtype == WireDType::BF16) {
     for (size_t i = 0; i < n_values; ++i) w[i] = f32_to_bf16(rows[i]);
   } else {
     for (size_t i = 0; i < n_values; ++i) w[i] = f32_to_f16(rows[i]);
@@ -48,7 +46,7 @@ inline void append_f32_b64(std::string& out, const float* values, size_t n) {
 // Row r of the array holds position `position + r`. A NaN or infinity anywhere is refused, naming its
 // row, position and column: a non-finite state would make every later logit NaN (sampling token 0) and
 // poison the cache of every position after it, silently.
-inline void decode_hidden_b64(std::string_view b64, int64_t seq_len, int hidden_dim, WireDtype dtype,
+inline void decode_hidden_b64(std::string_view b64, int64_t seq_len, int hidden_dim, WireDType dtype,
                               std::vector<uint16_t>& scratch, std::vector<float>& rows, int64_t position = 0) {
   const size_t n_values = size_t(seq_len) * size_t(hidden_dim);
   const size_t want = n_values * kWireBytesPerValue;
@@ -70,8 +68,8 @@ inline void decode_hidden_b64(std::string_view b64, int64_t seq_len, int hidden_
   } catch (const base64::Base64Error& e) {
     throw RequestError("field 'hidden_b64' is not valid base64: " + std::string(e.what()));
   }
-  const uint16_t exp_mask = dtype == WireDtype::bf16 ? 0x7f80 : 0x7c00;  // all ones: inf or NaN
-  const uint16_t mant_mask = dtype == WireDtype::bf16 ? 0x007f : 0x03ff;
+  const uint16_t exp_mask = dtype == WireDType::BF16 ? 0x7f80 : 0x7c00;  // all ones: inf or NaN
+  const uint16_t mant_mask = dtype == WireDType::BF16 ? 0x007f : 0x03ff;
   for (size_t i = 0; i < n_values; ++i) {
     const uint16_t v = scratch[i];
     if ((v & exp_mask) != exp_mask) continue;
@@ -86,7 +84,7 @@ inline void decode_hidden_b64(std::string_view b64, int64_t seq_len, int hidden_
   rows.resize(n_values);
   const uint16_t* w = scratch.data();
   float* r = rows.data();
-  if (dtype == WireDtype::bf16) {
+  if (dtype == WireDType::BF16) {
     for (size_t i = 0; i < n_values; ++i) r[i] = bf16_to_f32(w[i]);
   } else {
     for (size_t i = 0; i < n_values; ++i) r[i] = f16_to_f32(w[i]);

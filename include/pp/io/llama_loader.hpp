@@ -6,6 +6,7 @@
 #include <pp/core/printable.hpp>
 #include <pp/io/gguf.hpp>
 #include <pp/model/config.hpp>
+#include <pp/model/weights.hpp>
 
 #include <cstdint>
 #include <optional>
@@ -151,21 +152,8 @@ inline const float* norm_vector(const gguf::File& f, const std::string& name, st
   return reinterpret_cast<const float*>(t.data.data());
 }
 
-// Per-block weights as views into the mapping.
-struct BlockTensors {
-  const float* attn_norm;  // [n_embd]
-  MatView wq;              // [q_dim, n_embd]
-  MatView wk;              // [kv_dim, n_embd]
-  MatView wv;              // [kv_dim, n_embd]
-  MatView wo;              // [n_embd, q_dim]
-  const float* ffn_norm;   // [n_embd]
-  MatView w_gate;          // [n_ff, n_embd]
-  MatView w_up;            // [n_ff, n_embd]
-  MatView w_down;          // [n_embd, n_ff]
-};
-
-inline BlockTensors block_tensors(const gguf::File& f, const Config& c, int l) {
-  BlockTensors b;
+inline BlockWeights block_tensors(const gguf::File& f, const Config& c, int l) {
+  BlockWeights b;
   b.attn_norm = norm_vector(f, tensor_name(l, "attn_norm"), c.n_embd);
   b.wq = matrix(f, tensor_name(l, "attn_q"), c.n_embd, c.q_dim());
   b.wk = matrix(f, tensor_name(l, "attn_k"), c.n_embd, c.kv_dim());

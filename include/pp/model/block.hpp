@@ -2,13 +2,13 @@
 #pragma once
 
 #include <pp/core/thread_pool.hpp>
-#include <pp/io/llama_loader.hpp>
 #include <pp/kernels/attention.hpp>
 #include <pp/kernels/matmul.hpp>
 #include <pp/kernels/ops.hpp>
 #include <pp/model/config.hpp>
 #include <pp/model/kv_cache.hpp>
 #include <pp/model/scratch.hpp>
+#include <pp/model/weights.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -38,115 +38,169 @@ inline void matmul_segments(ThreadPool& pool, const MatView& w, std::span<const 
   }
 }
 
-// att[m, n_head, head_dim] for the chunk's rows. A row attends to its own sequence: positions below its
-// segment's start come from that sequence's ring, the segment's own rows from s.kt / s.v (so a chunk
-// never reads a slot it has itself overwritten). Values are summed in position order, so the result
-// does not depend on where the ring wrapped or on the other rows of the chunk (kernels/attention.hpp).
-// Expects s.kt to hold the chunk's keys transposed.
-inline void attention(const Config& c, std::span<const Segment> segs, std::size_t layer, std::size_t m, Scratch& s,
-                      ThreadPool& pool) {
-  const std::size_t hd = c.head_dim, group = c.n_head / c.n_head_kv, kvd = c.kv_dim(), nkv = c.n_head_kv;
-  const float scale = 1.0f / std::sqrt(float(hd));
-  // One task per (row, KV head): the query heads sharing a KV head read each key and value once.
-  // Rows are dealt out cheap and dear alternately (a causal row's cost grows with its position), so
-  // the pool's contiguous split gives each thread a similar share.
-  pool.parallel_for(m * nkv, [&](std::size_t b, std::size_t e, unsigned t) {
-    float* w = s.scores.data() + std::size_t(t) * s.scores_stride * group;  // [group][scores_stride]
-    for (std::size_t task = b; task < e; ++task) {
-      const std::size_t r = task / nkv, g = task % nkv;
-      const std::size_t i = r % 2 == 0 ? r / 2 : m - 1 - r / 2;
-      const Segment& seg = segs[s.row_seg[i]];
-      const KvCache& kv = *seg.kv;
-      const int64_t p = seg.pos + int64_t(i - seg.row0), lo = kv.window_lo(p);
-      const float* q = s.q.data() + i * c.q_dim() + g * group * hd;  // [group, head_dim]
-      // Keys lo..p as up to three runs: the ring's (which may wrap once), then the chunk's own.
-      struct Run { const float* kt; std::size_t ld; const float* v; std::size_t n; };
-      Run runs[3];
-      std::size_t n_runs = 0, n = 0;
-      if (lo < seg.pos) {
-        const std::size_t first = kv.slot(lo), count = std::size_t(seg.pos - lo);
-        const std::size_t n1 = std::min(count, kv.capacity() - first);
-        runs[n_runs++] = {kv.kt(layer, g) + first, kv.k_ld(), kv.v(layer, first) + g * hd, n1};
-        if (n1 < count) runs[n_runs++] = {kv.kt(layer, g), kv.k_ld(), kv.v(layer, 0) + g * hd, count - n1};
-      }
-      const std::size_t own = seg.row0 + std::size_t(std::max<int64_t>(lo, seg.pos) - seg.pos);
-      runs[n_runs++] = {s.kt.data() + g * hd * s.kt_ld + own, s.kt_ld, s.v.data() + own * kvd + g * hd,
-                        std::size_t(p - std::max<int64_t>(lo, seg.pos) + 1)};
-      for (std::size_t k = 0; k < n_runs; ++k) {
-        kernels::attn_scores(q, group, hd, runs[k].kt, runs[k].ld, runs[k].n, scale, w + n, s.scores_stride);
-        n += runs[k].n;
-      }
-      for (std::size_t h = 0; h < group; ++h) kernels::softmax(w + h * s.scores_stride, n);
-      float* out = s.att.data() + i * c.q_dim() + g * group * hd;  // [group, head_dim]
-      std::memset(out, 0, group * hd * sizeof(float));
-      for (std::size_t k = 0, j = 0; k < n_runs; j += runs[k].n, ++k)
-        kernels::attn_values(w + j, s.scores_stride, group, hd, runs[k].v, kvd, runs[k].n, out);
-    }
-  });
-}
+// The steps of one decoder block over a chunk of rows (one or several segments, see Segment), each
+// reading and writing the scratch buffers named in its comment. Row-wise steps run across the pool
+// (a prefill chunk's rows; a single row runs inline); the matrix products go through matmul_segments.
+class BlockStep {
+ public:
+  // fast_quant: quantized weights take the fast path (int8 activations, see kernels/quant.hpp);
+  // fast_float: BF16 weights in prompts take the bf16-dot fast path (kernels/gemm.hpp).
+  BlockStep(const Config& cfg, std::span<const Segment> segs, std::size_t n_rows, Scratch& scratch, ThreadPool& pool,
+            bool fast_quant, bool fast_float)
+      : cfg_(cfg), segs_(segs), n_rows_(n_rows), buf_(scratch), pool_(pool), path_{fast_quant, scratch.xq.span(), fast_float} {}
 
-// x[m, n_embd] (the chunk's rows, described by `segs`) through block `layer` (index within the stage's
-// caches). s.cos / s.sin hold each row's RoPE table, s.row_seg each row's segment. Appends every
-// segment's keys and values to its sequence's ring.
-// fast_quant: quantized weights take the fast path (int8 activations, see kernels/quant.hpp);
-// fast_float: BF16 weights in prompts take the bf16-dot fast path (kernels/gemm.hpp).
-inline void block_forward(const Config& c, const llama::BlockTensors& w, std::span<const Segment> segs,
-                          std::size_t layer, std::size_t m, float* x, Scratch& s, ThreadPool& pool,
-                          bool fast_quant = false, bool fast_float = false) {
-  const std::size_t E = c.n_embd, hp = c.head_dim / 2;
-  const kernels::QuantPath qp{fast_quant, s.xq.span(), fast_float};
+  // xn = rmsnorm(x) * weight, row by row.
+  void rmsnorm(const float* x, const float* weight) const {
+    const std::size_t E = cfg_.n_embd;
+    for_each_row([&](std::size_t i) { kernels::rmsnorm(x + i * E, weight, cfg_.rms_eps, E, buf_.xn.data() + i * E); });
+  }
 
-  // Attention: norm, project, rotate, attend, project back, residual.
-  // Row-wise steps run across the pool too (a prefill chunk's rows; one row runs inline).
-  auto rows = [&](auto&& f) {
-    pool.parallel_for(m, [&](std::size_t b, std::size_t e, unsigned) {
+  // x += proj, row by row: the residual connection after attention and after the MLP.
+  void add_residual(float* x) const {
+    const std::size_t E = cfg_.n_embd;
+    for_each_row([&](std::size_t i) { kernels::add_inplace(x + i * E, buf_.proj.data() + i * E, E); });
+  }
+
+  // proj = wo * attention(rope(wq * xn), rope(wk * xn), wv * xn) for block `layer`, each row attending to
+  // its own sequence; every segment's keys and values are appended to its ring.
+  void self_attention(const BlockWeights& w, std::size_t layer) const {
+    matmul(w.wq, buf_.xn.data(), buf_.q.data());
+    matmul(w.wk, buf_.xn.data(), buf_.k.data());
+    matmul(w.wv, buf_.xn.data(), buf_.v.data());
+    rotate_queries_and_keys();
+    transpose_chunk_keys();
+    attend(layer);
+    append_to_caches(layer);
+    matmul(w.wo, buf_.att.data(), buf_.proj.data());
+  }
+
+  // proj = w_down * (silu(w_gate * xn) * (w_up * xn)), the SwiGLU MLP.
+  void mlp(const BlockWeights& w) const {
+    matmul(w.w_gate, buf_.xn.data(), buf_.gate.data());
+    matmul(w.w_up, buf_.xn.data(), buf_.up.data());
+    const std::size_t F = cfg_.n_ff;
+    for_each_row([&](std::size_t i) { kernels::swiglu(buf_.gate.data() + i * F, buf_.up.data() + i * F, F); });
+    matmul(w.w_down, buf_.gate.data(), buf_.proj.data());
+  }
+
+ private:
+  template <class F>
+  void for_each_row(F&& f) const {
+    pool_.parallel_for(n_rows_, [&](std::size_t b, std::size_t e, unsigned) {
       for (std::size_t i = b; i < e; ++i) f(i);
     });
-  };
-  rows([&](std::size_t i) { kernels::rmsnorm(x + i * E, w.attn_norm, c.rms_eps, E, s.xn.data() + i * E); });
-  matmul_segments(pool, w.wq, segs, s.xn.data(), s.q.data(), qp);
-  matmul_segments(pool, w.wk, segs, s.xn.data(), s.k.data(), qp);
-  matmul_segments(pool, w.wv, segs, s.xn.data(), s.v.data(), qp);
-  rows([&](std::size_t i) {
-    kernels::rope(s.q.data() + i * c.q_dim(), c.n_head, c.head_dim, s.cos.data() + i * hp, s.sin.data() + i * hp);
-    kernels::rope(s.k.data() + i * c.kv_dim(), c.n_head_kv, c.head_dim, s.cos.data() + i * hp, s.sin.data() + i * hp);
-  });
-  // The chunk's keys transposed for attention; after it, every segment's keys and values into its
-  // ring. Keys are split across the pool by element (transposed writes then run along positions); a
-  // few rows (a decode step) are cheaper to store inline than to hand to the pool.
-  const std::size_t kvd = c.kv_dim();
-  constexpr std::size_t kInlineRows = 16;
-  auto by_element = [&](auto&& f) {
-    if (m < kInlineRows) return f(std::size_t(0), kvd, 0u);
-    pool.parallel_for(kvd, f);
-  };
-  by_element([&](std::size_t e0, std::size_t e1, unsigned) {
-    for (std::size_t e = e0; e < e1; ++e)
-      for (std::size_t i = 0; i < m; ++i) s.kt[e * s.kt_ld + i] = s.k[i * kvd + e];
-  });
-  attention(c, segs, layer, m, s, pool);
-  by_element([&](std::size_t e0, std::size_t e1, unsigned) {
-    for (const Segment& seg : segs)
-      for (std::size_t e = e0; e < e1; ++e)
-        for (std::size_t i = 0; i < seg.n; ++i)
-          seg.kv->k_at(layer, seg.kv->slot(seg.pos + int64_t(i)), e) = s.k[(seg.row0 + i) * kvd + e];
-  });
-  rows([&](std::size_t i) {
-    const Segment& seg = segs[s.row_seg[i]];
-    std::memcpy(seg.kv->v(layer, seg.kv->slot(seg.pos + int64_t(i - seg.row0))), s.v.data() + i * kvd, kvd * sizeof(float));
-  });
-  matmul_segments(pool, w.wo, segs, s.att.data(), s.proj.data(), qp);
-  rows([&](std::size_t i) {
-    kernels::add_inplace(x + i * E, s.proj.data() + i * E, E);
-    kernels::rmsnorm(x + i * E, w.ffn_norm, c.rms_eps, E, s.xn.data() + i * E);
-  });
+  }
 
-  // MLP: norm, SwiGLU, project back, residual.
-  matmul_segments(pool, w.w_gate, segs, s.xn.data(), s.gate.data(), qp);
-  matmul_segments(pool, w.w_up, segs, s.xn.data(), s.up.data(), qp);
-  rows([&](std::size_t i) { kernels::swiglu(s.gate.data() + i * c.n_ff, s.up.data() + i * c.n_ff, c.n_ff); });
-  matmul_segments(pool, w.w_down, segs, s.gate.data(), s.proj.data(), qp);
-  rows([&](std::size_t i) { kernels::add_inplace(x + i * E, s.proj.data() + i * E, E); });
+  void matmul(const MatView& w, const float* in, float* out) const { matmul_segments(pool_, w, segs_, in, out, path_); }
+
+  // q and k rotated in place by each row's RoPE table (cos / sin, filled by the stage per position).
+  void rotate_queries_and_keys() const {
+    const std::size_t half = cfg_.head_dim / 2;
+    for_each_row([&](std::size_t i) {
+      const float* cos = buf_.cos.data() + i * half;
+      const float* sin = buf_.sin.data() + i * half;
+      kernels::rope(buf_.q.data() + i * cfg_.q_dim(), cfg_.n_head, cfg_.head_dim, cos, sin);
+      kernels::rope(buf_.k.data() + i * cfg_.kv_dim(), cfg_.n_head_kv, cfg_.head_dim, cos, sin);
+    });
+  }
+
+  // Work split by key element, so that transposed writes run along positions; a few rows (a decode
+  // step) are cheaper to do inline than to hand to the pool.
+  template <class F>
+  void for_each_key_element(F&& f) const {
+    constexpr std::size_t kInlineRows = 16;
+    if (n_rows_ < kInlineRows) return f(std::size_t(0), cfg_.kv_dim(), 0u);
+    pool_.parallel_for(cfg_.kv_dim(), f);
+  }
+
+  // kt = the chunk's keys transposed ([kv_dim][kt_ld]), as attention reads a chunk's own keys.
+  void transpose_chunk_keys() const {
+    const std::size_t kvd = cfg_.kv_dim();
+    for_each_key_element([&](std::size_t e0, std::size_t e1, unsigned) {
+      for (std::size_t e = e0; e < e1; ++e)
+        for (std::size_t i = 0; i < n_rows_; ++i) buf_.kt[e * buf_.kt_ld + i] = buf_.k[i * kvd + e];
+    });
+  }
+
+  // After attention (a chunk never reads a slot it has itself overwritten): each segment's k and v
+  // into its sequence's ring.
+  void append_to_caches(std::size_t layer) const {
+    const std::size_t kvd = cfg_.kv_dim();
+    for_each_key_element([&](std::size_t e0, std::size_t e1, unsigned) {
+      for (const Segment& seg : segs_) seg.kv->store_keys(layer, seg.pos, seg.n, buf_.k.data() + seg.row0 * kvd, e0, e1);
+    });
+    for_each_row([&](std::size_t i) {
+      const Segment& seg = segs_[buf_.row_seg[i]];
+      seg.kv->store_value(layer, seg.pos + int64_t(i - seg.row0), buf_.v.data() + i * kvd);
+    });
+  }
+
+  // att = softmax(q k^T / sqrt(head_dim)) v for every row and query head. A row at position p attends to
+  // its sequence's positions [window_lo(p), p]: those below its segment's start from the ring, the
+  // segment's own from kt / v of this chunk. Values are summed in position order, so the result does
+  // not depend on where the ring wrapped or on the other rows of the chunk (kernels/attention.hpp).
+  void attend(std::size_t layer) const {
+    const std::size_t n_kv_heads = cfg_.n_head_kv;
+    // One task per (row, KV head): the query heads sharing a KV head read each key and value once.
+    // Rows are dealt out cheap and dear alternately (a causal row's cost grows with its position), so
+    // the pool's contiguous split gives each thread a similar share.
+    pool_.parallel_for(n_rows_ * n_kv_heads, [&](std::size_t b, std::size_t e, unsigned thread) {
+      for (std::size_t task = b; task < e; ++task) {
+        const std::size_t r = task / n_kv_heads, kv_head = task % n_kv_heads;
+        attend_row(layer, r % 2 == 0 ? r / 2 : n_rows_ - 1 - r / 2, kv_head, thread);
+      }
+    });
+  }
+
+  // Row `row`, the query heads of KV head `kv_head`, with thread `thread`'s score buffer.
+  void attend_row(std::size_t layer, std::size_t row, std::size_t kv_head, unsigned thread) const {
+    const std::size_t hd = cfg_.head_dim, group = cfg_.n_head / cfg_.n_head_kv, kvd = cfg_.kv_dim();
+    const float scale = 1.0f / std::sqrt(float(hd));
+    const Segment& seg = segs_[buf_.row_seg[row]];
+    const int64_t pos = seg.pos + int64_t(row - seg.row0), lo = seg.kv->window_lo(pos);
+    // Keys lo..pos as up to three runs: the ring's (which may wrap once), then the chunk's own.
+    KeyRun runs[3];
+    std::size_t n_runs = seg.kv->runs(layer, kv_head, lo, seg.pos, runs);
+    const int64_t own_lo = std::max(lo, seg.pos);
+    const std::size_t own = seg.row0 + std::size_t(own_lo - seg.pos);
+    runs[n_runs++] = {buf_.kt.data() + kv_head * hd * buf_.kt_ld + own, buf_.kt_ld, buf_.v.data() + own * kvd + kv_head * hd,
+                      std::size_t(pos - own_lo + 1)};
+
+    float* scores = buf_.scores.data() + std::size_t(thread) * buf_.scores_stride * group;  // [group][scores_stride]
+    const float* q = buf_.q.data() + row * cfg_.q_dim() + kv_head * group * hd;            // [group, head_dim]
+    std::size_t n_keys = 0;
+    for (std::size_t k = 0; k < n_runs; n_keys += runs[k].n, ++k)
+      kernels::attn_scores(q, group, hd, runs[k].kt, runs[k].ld, runs[k].n, scale, scores + n_keys, buf_.scores_stride);
+    for (std::size_t h = 0; h < group; ++h) kernels::softmax(scores + h * buf_.scores_stride, n_keys);
+    float* out = buf_.att.data() + row * cfg_.q_dim() + kv_head * group * hd;  // [group, head_dim]
+    std::fill(out, out + group * hd, 0.f);
+    for (std::size_t k = 0, j = 0; k < n_runs; j += runs[k].n, ++k)
+      kernels::attn_values(scores + j, buf_.scores_stride, group, hd, runs[k].v, kvd, runs[k].n, out);
+  }
+
+  const Config& cfg_;
+  std::span<const Segment> segs_;
+  std::size_t n_rows_;
+  Scratch& buf_;
+  ThreadPool& pool_;
+  kernels::QuantPath path_;
+};
+
+// x[n_rows, n_embd] (the chunk's rows, described by `segs`) through block `layer` (its index within the
+// stage's caches), as the paper writes it:
+//   x = x + attention(rmsnorm(x)),   x = x + mlp(rmsnorm(x)).
+// scratch.cos / scratch.sin hold each row's RoPE table, scratch.row_seg each row's segment. Appends every
+// segment's keys and values to its sequence's ring.
+inline void block_forward(const Config& cfg, const BlockWeights& w, std::span<const Segment> segs, std::size_t layer,
+                          std::size_t n_rows, float* x, Scratch& scratch, ThreadPool& pool, bool fast_quant = false,
+                          bool fast_float = false) {
+  const BlockStep step(cfg, segs, n_rows, scratch, pool, fast_quant, fast_float);
+  step.rmsnorm(x, w.attn_norm);
+  step.self_attention(w, layer);
+  step.add_residual(x);
+  step.rmsnorm(x, w.ffn_norm);
+  step.mlp(w);
+  step.add_residual(x);
 }
 
 }  // namespace pp

@@ -20,6 +20,15 @@
 
 namespace pp {
 
+// Keys and values of consecutive positions as the attention kernels read them: key j's element d at
+// kt[d * ld + j], its value row at v + j * v_stride (kernels/attention.hpp), for j < n.
+struct KeyRun {
+  const float* kt;
+  std::size_t ld;
+  const float* v;
+  std::size_t n;
+};
+
 class KvCache {
  public:
   KvCache() = default;
@@ -47,6 +56,29 @@ class KvCache {
   // [kv_dim] value row of block `layer` at ring slot `slot`.
   float* v(std::size_t layer, std::size_t slot) { return vf() + (layer * cap_ + slot) * kv_dim_; }
   const float* v(std::size_t layer, std::size_t slot) const { return vf() + (layer * cap_ + slot) * kv_dim_; }
+
+  // The cached positions [lo, end) of KV head g in block `layer`, in position order: one run, or two
+  // where the ring wraps. Returns the number of runs written to out. The values' row stride is kv_dim().
+  std::size_t runs(std::size_t layer, std::size_t g, int64_t lo, int64_t end, KeyRun out[2]) const {
+    if (lo >= end) return 0;
+    const std::size_t first = slot(lo), count = std::size_t(end - lo);
+    const std::size_t n1 = std::min(count, cap_ - first);
+    out[0] = {kt(layer, g) + first, ld_, v(layer, first) + g * head_dim_, n1};
+    if (n1 == count) return 1;
+    out[1] = {kt(layer, g), ld_, v(layer, 0) + g * head_dim_, count - n1};
+    return 2;
+  }
+
+  // Appending a segment, rows [pos, pos + n) of block `layer` (after validate; commit when every block
+  // has stored). Keys go by element, [e0, e1) of each row's keys[i * kv_dim + e], so that threads split
+  // the elements and each writes along slots; values go by row.
+  void store_keys(std::size_t layer, int64_t pos, std::size_t n, const float* keys, std::size_t e0, std::size_t e1) {
+    for (std::size_t e = e0; e < e1; ++e)
+      for (std::size_t i = 0; i < n; ++i) k_at(layer, slot(pos + int64_t(i)), e) = keys[i * kv_dim_ + e];
+  }
+  void store_value(std::size_t layer, int64_t pos, const float* value) {
+    std::copy(value, value + kv_dim_, v(layer, slot(pos)));
+  }
 
   // Throws RequestError when rows [pos, pos + n) cannot be appended; changes nothing.
   void validate(int64_t pos, std::size_t n) const {

@@ -1,5 +1,5 @@
-// Per-sequence activation buffers for up to `max_rows` rows, reserved once and backed as they are used
-// (a sequence that only ever sees short requests holds only their rows).
+// A stage's activation buffers for a chunk of up to `max_rows` rows, reserved once and backed as used
+// (a stage that only ever sees short requests holds only their rows).
 #pragma once
 
 #include <pp/core/anonymous_region.hpp>

@@ -5,7 +5,7 @@
 #pragma once
 
 #include <pp/core/buffer.hpp>
-#include <pp/core/float16.hpp>
+#include <pp/core/wire_dtype.hpp>
 #include <pp/stage.hpp>
 
 #include <memory>
@@ -14,23 +14,6 @@
 #include <vector>
 
 namespace pp {
-
-enum class WireDType { F32, BF16, F16 };
-
-inline WireDType parse_wire_dtype(const std::string& s) {
-  if (s == "f32") return WireDType::F32;
-  if (s == "bf16") return WireDType::BF16;
-  if (s == "f16") return WireDType::F16;
-  throw Error("wire dtype '" + s + "' is not one of f32, bf16, f16");
-}
-
-// Rounds values in place as crossing a wire of dtype `w` would (f32: unchanged).
-inline void round_to_wire(std::span<float> x, WireDType w) {
-  if (w == WireDType::BF16)
-    for (float& v : x) v = bf16_to_f32(f32_to_bf16(v));
-  else if (w == WireDType::F16)
-    for (float& v : x) v = f16_to_f32(f32_to_f16(v));
-}
 
 class LocalPipeline {
  public:
