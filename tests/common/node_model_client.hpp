@@ -26,31 +26,14 @@
 
 namespace pp::test {
 
-inline std::string node_bin() {
-  const char* p = std::getenv("PP_NODE_BIN");
-  return p ? p : "";
-}
-
-// A model worker process on a loopback port (0: ephemeral, learnt from its listening line).
-struct NodeWorker {
-  std::unique_ptr<Process> proc;
-  uint16_t port = 0;
-  std::string addr() const { return "127.0.0.1:" + std::to_string(port); }
-};
-
+// A model worker (NodeWorker, node_process.hpp) on `port`; nullopt and a test failure if it does not come up
+// within 10 s (scaled).
 inline std::optional<NodeWorker> start_node_worker(const std::string& model, const std::vector<std::string>& extra = {},
                                                    uint16_t port = 0) {
   std::vector<std::string> argv = {node_bin(), "--worker", "--model", model, "--host", "127.0.0.1",
                                    "--port", std::to_string(port), "--threads", "1"};
   argv.insert(argv.end(), extra.begin(), extra.end());
-  NodeWorker w{std::make_unique<Process>(argv), 0};
-  if (!w.proc->started() || !w.proc->wait_output("  (Ctrl-C to stop)", Millis{10000})) return std::nullopt;
-  std::smatch m;
-  const std::string out = w.proc->out();
-  if (!std::regex_search(out, m, std::regex("listening on 127\\.0\\.0\\.1:(\\d+)  \\(Ctrl-C to stop\\)")))
-    return std::nullopt;
-  w.port = static_cast<uint16_t>(std::stoi(m[1]));
-  return w;
+  return start_listening(argv, Millis{10000}, "listening on 127\\.0\\.0\\.1:(\\d+)  \\(Ctrl-C to stop\\)");
 }
 
 struct V2Frame {

@@ -1,9 +1,12 @@
-// Test helpers for tools that run as processes: spawn with captured output, wait for events, raw loopback
-// sockets. Every deadline a helper takes guards against a hang and is scaled to the host (timing.hpp): a
-// test states how long an event may take on a fast idle machine, and a slower or busier host gets more.
+// Test helpers for tools that run as processes: spawn with captured output, wait for events, pp_node workers
+// and their reports, raw loopback sockets. Every deadline a helper takes guards against a hang and is scaled
+// to the host (timing.hpp): a test states how long an event may take on a fast idle machine, and a slower or
+// busier host gets more.
 #pragma once
 
 #include "timing.hpp"
+
+#include <gtest/gtest.h>
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -18,11 +21,15 @@
 
 #include <array>
 #include <chrono>
+#include <concepts>
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <initializer_list>
+#include <memory>
 #include <optional>
+#include <ranges>
 #include <regex>
 #include <sstream>
 #include <string>
@@ -157,6 +164,92 @@ inline RunResult run_process(const std::vector<std::string>& argv, Millis timeou
   return r;
 }
 
+// Runs to completion like run_process; a run killed after `timeout` (scaled) is also a test failure.
+inline RunResult run_checked(const std::vector<std::string>& argv, Millis timeout) {
+  RunResult r = run_process(argv, timeout);
+  if (r.timed_out) ADD_FAILURE() << argv[0] << " did not finish within " << timeout.count() << " ms (scaled); killed";
+  return r;
+}
+
+// A field of /proc/<pid>/status in kB ("VmRSS", "VmHWM"), or -1 when absent.
+inline long proc_status_kib(pid_t pid, const std::string& field) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind(field + ":", 0) == 0) return std::stol(line.substr(field.size() + 1));
+  return -1;
+}
+
+// pp_node's binary: $PP_NODE_BIN (set by meson), else "".
+inline std::string node_bin() {
+  const char* p = std::getenv("PP_NODE_BIN");
+  return p ? p : "";
+}
+
+// pp_node's argv: node_bin() then `args`.
+inline std::vector<std::string> node_argv(std::initializer_list<std::string> args) {
+  std::vector<std::string> v{node_bin()};
+  v.insert(v.end(), args);
+  return v;
+}
+
+// A pp_node worker process on a loopback port (0: ephemeral, learnt from its listening line).
+struct NodeWorker {
+  std::unique_ptr<Process> proc;
+  uint16_t port = 0;
+  std::string addr() const { return "127.0.0.1:" + std::to_string(port); }
+};
+
+// Spawns `argv` and waits up to `timeout` (scaled) for its listening line, which `line` (a regex whose group 1
+// is the port) must match; nullopt and a test failure if it does not come.
+inline std::optional<NodeWorker> start_listening(const std::vector<std::string>& argv, Millis timeout,
+                                                 const std::string& line) {
+  NodeWorker w{std::make_unique<Process>(argv), 0};
+  if (!w.proc->started() || !w.proc->wait_output("  (Ctrl-C to stop)", timeout)) {
+    ADD_FAILURE() << "worker did not start; stdout: " << w.proc->out() << " stderr: " << w.proc->err();
+    return std::nullopt;
+  }
+  std::smatch m;
+  const std::string out = w.proc->out();
+  if (!std::regex_search(out, m, std::regex(line))) {
+    ADD_FAILURE() << "no listening line in: " << out;
+    return std::nullopt;
+  }
+  w.port = static_cast<uint16_t>(std::stoi(m[1]));
+  return w;
+}
+
+// "addr,addr,...": the --coordinator chain of workers.
+inline std::string chain_of(const std::vector<const NodeWorker*>& ws) {
+  std::string s;
+  for (const NodeWorker* w : ws) {
+    if (!s.empty()) s += ',';
+    s += w->addr();
+  }
+  return s;
+}
+template <class R>  // a range of NodeWorker (a template: {&w1, &w2} must not read as an iterator pair)
+  requires std::same_as<std::ranges::range_value_t<R>, NodeWorker>
+std::string chain_of(const R& ws) {
+  std::vector<const NodeWorker*> p;
+  for (const NodeWorker& w : ws) p.push_back(&w);
+  return chain_of(p);
+}
+
+// A coordinator's (or --selftest's) report of a passed run: exit 0, its round-trip line for `tokens` tokens
+// and `verified` of them byte-identical.
+inline void expect_passed(const RunResult& r, std::size_t tokens, std::size_t verified) {
+  static const std::regex round_trip(
+      R"((\d+) tokens  round-trip ms: min \d+\.\d  p50 \d+\.\d  p99 \d+\.\d  max \d+\.\d\n)");
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.out, m, round_trip)) << r.out << r.err;
+  EXPECT_EQ(m[1], std::to_string(tokens));
+  const std::string passed = "byte-identity: " + std::to_string(verified) + "/" + std::to_string(verified) +
+                             " IDENTICAL  == pipeline split PASSED ==\n";
+  EXPECT_NE(r.out.find(passed), std::string::npos) << r.out;
+}
+
 // A free loopback port (for processes that cannot bind port 0 themselves).
 inline uint16_t free_port() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -168,6 +261,23 @@ inline uint16_t free_port() {
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
   ::close(fd);
   return ntohs(a.sin_port);
+}
+
+// Exactly n bytes from a raw fd within `timeout` (scaled), or nullopt (timeout, close or reset).
+inline std::optional<std::vector<uint8_t>> read_exact(int fd, std::size_t n, Millis timeout) {
+  std::vector<uint8_t> b(n);
+  std::size_t got = 0;
+  const auto deadline = Clock::now() + slack(timeout);
+  while (got < n) {
+    const auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now()).count();
+    if (left <= 0) return std::nullopt;
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(left)) <= 0) continue;
+    const ssize_t r = ::recv(fd, b.data() + got, n - got, 0);
+    if (r <= 0) return std::nullopt;
+    got += static_cast<std::size_t>(r);
+  }
+  return b;
 }
 
 // A blocking loopback TCP client with deadlines on every read.
@@ -204,21 +314,7 @@ class RawSocket {
   }
 
   // Exactly n bytes within `timeout` (scaled), or nullopt (timeout, close or reset).
-  std::optional<std::vector<uint8_t>> read_n(std::size_t n, Millis timeout) {
-    std::vector<uint8_t> b(n);
-    std::size_t got = 0;
-    const auto deadline = Clock::now() + slack(timeout);
-    while (got < n) {
-      const auto left = std::chrono::duration_cast<Millis>(deadline - Clock::now()).count();
-      if (left <= 0) return std::nullopt;
-      pollfd p{fd_, POLLIN, 0};
-      if (::poll(&p, 1, static_cast<int>(left)) <= 0) continue;
-      const ssize_t r = ::recv(fd_, b.data() + got, n - got, 0);
-      if (r <= 0) return std::nullopt;
-      got += static_cast<std::size_t>(r);
-    }
-    return b;
-  }
+  std::optional<std::vector<uint8_t>> read_n(std::size_t n, Millis timeout) { return read_exact(fd_, n, timeout); }
 
   // True when the peer ends the connection (EOF or reset) within `timeout` (scaled); data is discarded.
   bool closed_by_peer(Millis timeout) {

@@ -3,6 +3,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "node_process.hpp"
 #include "timing.hpp"
 
 #include <chrono>
@@ -230,18 +231,7 @@ class Worker {
   }
 
   // Peak resident set of the live child in kB (VmHWM).
-  long peak_rss_kb() const {
-    std::ifstream st("/proc/" + std::to_string(pid_) + "/status");
-    std::string key;
-    while (st >> key) {
-      if (key == "VmHWM:") {
-        long kb = 0;
-        st >> kb;
-        return kb;
-      }
-    }
-    return -1;
-  }
+  long peak_rss_kb() const { return proc_status_kib(pid_, "VmHWM"); }
 
  private:
   void pump_stdout() {

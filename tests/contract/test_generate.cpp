@@ -4,6 +4,7 @@
 #include <pp/text/sampler.hpp>
 
 #include "../common/fixtures.hpp"
+#include "../common/node_process.hpp"
 
 #include <gtest/gtest.h>
 
@@ -17,9 +18,10 @@ namespace {
 std::string tiny() { return (pp::test::data_dir() / "golden-tiny" / "golden-tiny-bf16.gguf").string(); }
 const std::vector<int32_t> kPrompt = {496, 198, 303, 365, 321, 74, 280};
 
-int run_generate(const std::string& args) {
-  const std::string cmd = pp::test::tool_path("pp_generate") + " " + args + " > /dev/null 2>&1";
-  return std::system(cmd.c_str());
+// pp_generate's exit status on `args` (output discarded); a run killed after 60 s (scaled) is also a failure.
+int run_generate(std::vector<std::string> args) {
+  args.insert(args.begin(), pp::test::tool_path("pp_generate"));
+  return pp::test::run_checked(args, std::chrono::seconds(60)).code;
 }
 
 // Stages [0,c1), [c1,c2), ... chained by hand, the residual rounded to bf16 at each cut.
@@ -59,8 +61,8 @@ TEST(Generate, Bf16SimulatedSplitEqualsHandChainedStages) {
   for (const std::vector<int>& cuts : {std::vector<int>{2}, std::vector<int>{1, 3}, std::vector<int>{1, 2, 3}}) {
     std::string cs;
     for (int c : cuts) cs += (cs.empty() ? "" : ",") + std::to_string(c);
-    ASSERT_EQ(0, run_generate("-m " + tiny() + " --prompt-ids 496,198,303,365,321,74,280 -n 6 --wire bf16 --cuts " +
-                              cs + " --logits-out " + out.string()));
+    ASSERT_EQ(0, run_generate({"-m", tiny(), "--prompt-ids", "496,198,303,365,321,74,280", "-n", "6", "--wire", "bf16",
+                               "--cuts", cs, "--logits-out", out.string()}));
     const auto j = pp::test::load_json(out);
     std::vector<int32_t> greedy;
     const std::vector<float> want = hand_chain(cuts, 6, greedy);
@@ -77,15 +79,15 @@ TEST(Generate, Bf16SimulatedSplitEqualsHandChainedStages) {
 
 TEST(Generate, UnsplitGreedyMatchesGoldenAndBadArgumentsAreRefused) {
   const auto out = std::filesystem::temp_directory_path() / ("pp_gen2_" + std::to_string(getpid()) + ".json");
-  ASSERT_EQ(0, run_generate("-m " + tiny() + " --prompt-ids 496,198,303,365,321,74,280 -n 16 --logits-out " + out.string()));
+  ASSERT_EQ(0, run_generate({"-m", tiny(), "--prompt-ids", "496,198,303,365,321,74,280", "-n", "16", "--logits-out", out.string()}));
   const auto ref = pp::test::load_json(pp::test::data_dir() / "golden-tiny" / "golden-tiny-bf16.p7.exact.json");
   EXPECT_EQ(pp::test::load_json(out)["greedy"], ref["greedy"]);
   std::filesystem::remove(out);
-  EXPECT_NE(0, run_generate("-m " + tiny() + " --prompt-ids 1,x"));
-  EXPECT_NE(0, run_generate("-m " + tiny() + " --prompt-ids 99999"));   // outside the vocabulary
-  EXPECT_NE(0, run_generate("-m /nonexistent.gguf --prompt-ids 1"));
-  EXPECT_NE(0, run_generate("-m " + tiny() + " --prompt-ids 1 --cuts 4"));  // cut at the last block
-  EXPECT_NE(0, run_generate("-m " + tiny() + " --prompt-ids 1 --temperature 0"));
+  EXPECT_NE(0, run_generate({"-m", tiny(), "--prompt-ids", "1,x"}));
+  EXPECT_NE(0, run_generate({"-m", tiny(), "--prompt-ids", "99999"}));   // outside the vocabulary
+  EXPECT_NE(0, run_generate({"-m", "/nonexistent.gguf", "--prompt-ids", "1"}));
+  EXPECT_NE(0, run_generate({"-m", tiny(), "--prompt-ids", "1", "--cuts", "4"}));  // cut at the last block
+  EXPECT_NE(0, run_generate({"-m", tiny(), "--prompt-ids", "1", "--temperature", "0"}));
 }
 
 }  // namespace

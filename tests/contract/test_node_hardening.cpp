@@ -107,11 +107,9 @@ const pp::net::PresharedKey& key1() {
 
 // ---------------------------------------------------------------- processes
 
-std::vector<std::string> node(std::initializer_list<std::string> args) {
-  std::vector<std::string> v{node_bin()};
-  v.insert(v.end(), args);
-  return v;
-}
+using pp::test::chain_of;
+using pp::test::expect_passed;
+using pp::test::node_argv;
 
 // The same command with PP_NODE_PSK set in its environment only.
 std::vector<std::string> with_env_key(const std::string& key, std::vector<std::string> argv) {
@@ -119,37 +117,12 @@ std::vector<std::string> with_env_key(const std::string& key, std::vector<std::s
   return argv;
 }
 
-RunResult run(const std::vector<std::string>& argv, Millis timeout = 30s) {
-  RunResult r = pp::test::run_process(argv, timeout);
-  if (r.timed_out) ADD_FAILURE() << argv[0] << " did not finish within " << timeout.count() << " ms; killed";
-  return r;
-}
+RunResult run(const std::vector<std::string>& argv, Millis timeout = 30s) { return pp::test::run_checked(argv, timeout); }
 
 NodeWorker worker(const std::string& model, const std::vector<std::string>& extra = {}, uint16_t port = 0) {
   auto w = pp::test::start_node_worker(model, extra, port);
   if (!w) ADD_FAILURE() << "worker did not start";
   return w ? std::move(*w) : NodeWorker{};
-}
-
-std::string chain_of(const std::vector<const NodeWorker*>& ws) {
-  std::string s;
-  for (const NodeWorker* w : ws) {
-    if (!s.empty()) s += ',';
-    s += w->addr();
-  }
-  return s;
-}
-
-const std::regex kRoundTripLine(R"((\d+) tokens  round-trip ms: min \d+\.\d  p50 \d+\.\d  p99 \d+\.\d  max \d+\.\d\n)");
-
-void expect_passed(const RunResult& r, std::size_t tokens, std::size_t verified) {
-  EXPECT_EQ(r.code, 0) << r.out << r.err;
-  std::smatch m;
-  ASSERT_TRUE(std::regex_search(r.out, m, kRoundTripLine)) << r.out << r.err;
-  EXPECT_EQ(m[1], std::to_string(tokens));
-  const std::string passed = "byte-identity: " + std::to_string(verified) + "/" + std::to_string(verified) +
-                             " IDENTICAL  == pipeline split PASSED ==\n";
-  EXPECT_NE(r.out.find(passed), std::string::npos) << r.out;
 }
 
 bool contains(const std::string& hay, const std::string& needle) { return hay.find(needle) != std::string::npos; }
@@ -285,7 +258,7 @@ TEST(Auth, SameKeyOnEveryEndRunsAndVerifiesTheChain) {
   NodeWorker w2 = worker(golden(), {"--psk-file", f.key1});
   ASSERT_TRUE(w1.proc && w2.proc);
   // The coordinator takes the key from the environment; the workers from a file with a trailing newline.
-  const auto r = run(with_env_key(kKey1, node({"--coordinator", chain_of({&w1, &w2}), "--model", golden(),
+  const auto r = run(with_env_key(kKey1, node_argv({"--coordinator", chain_of({&w1, &w2}), "--model", golden(),
                                                 "--prompt-ids", "1,2,3", "--tokens", "12", "--ignore-eos",
                                                 "--threads", "1", "--verify", "all"})));
   expect_passed(r, 12, 12);
@@ -299,8 +272,8 @@ TEST(Auth, WrongKeyIsReportedOnBothEnds) {
   const auto& f = files();
   NodeWorker w = worker(golden(), {"--psk-file", f.key1});
   ASSERT_TRUE(w.proc);
-  const auto r = run(node({"--coordinator", w.addr(), "--model", golden(), "--psk-file", f.key2, "--prompt-ids",
-                           "1,2", "--tokens", "2", "--threads", "1"}));
+  const auto r = run(node_argv({"--coordinator", w.addr(), "--model", golden(), "--psk-file", f.key2, "--prompt-ids",
+                                "1,2", "--tokens", "2", "--threads", "1"}));
   EXPECT_EQ(r.code, 3) << r.out << r.err;
   EXPECT_TRUE(contains(r.err, "worker " + w.addr() + " (stage 1, layers [2, 4)): authentication failed: its proof "
                                   "does not match this end's pre-shared key (the two ends hold different keys)"))
@@ -318,8 +291,8 @@ TEST(Auth, KeyOnOneEndOnlyIsReportedClearly) {
   {  // the worker requires a key the coordinator does not have
     NodeWorker w = worker(golden(), {"--psk-file", f.key1});
     ASSERT_TRUE(w.proc);
-    const auto r = run(node({"--coordinator", w.addr(), "--model", golden(), "--prompt-ids", "1,2", "--tokens", "2",
-                             "--threads", "1"}));
+    const auto r = run(node_argv({"--coordinator", w.addr(), "--model", golden(), "--prompt-ids", "1,2", "--tokens", "2",
+                                  "--threads", "1"}));
     EXPECT_EQ(r.code, 3);
     EXPECT_TRUE(contains(r.err, "reports: authentication failed: this worker requires a pre-shared key and the "
                                 "upstream sent HELLO without authenticating"))
@@ -329,8 +302,8 @@ TEST(Auth, KeyOnOneEndOnlyIsReportedClearly) {
   {  // the coordinator holds a key the worker does not: it does not trust a worker that cannot prove it
     NodeWorker w = worker(golden());
     ASSERT_TRUE(w.proc);
-    const auto r = run(node({"--coordinator", w.addr(), "--model", golden(), "--psk-file", f.key1, "--prompt-ids",
-                             "1,2", "--tokens", "2", "--threads", "1"}));
+    const auto r = run(node_argv({"--coordinator", w.addr(), "--model", golden(), "--psk-file", f.key1, "--prompt-ids",
+                                  "1,2", "--tokens", "2", "--threads", "1"}));
     EXPECT_EQ(r.code, 3);
     EXPECT_TRUE(contains(r.err, "reports: authentication failed: the upstream sent AUTH (it holds a pre-shared key) "
                                 "but this worker has none"))
@@ -344,8 +317,8 @@ TEST(Auth, NextHopWithAnotherKeyIsNamed) {
   NodeWorker w1 = worker(golden(), {"--psk-file", f.key1});
   NodeWorker w2 = worker(golden(), {"--psk-file", f.key2});
   ASSERT_TRUE(w1.proc && w2.proc);
-  const auto r = run(node({"--coordinator", chain_of({&w1, &w2}), "--model", golden(), "--psk-file", f.key1,
-                           "--prompt-ids", "1,2", "--tokens", "2", "--threads", "1"}));
+  const auto r = run(node_argv({"--coordinator", chain_of({&w1, &w2}), "--model", golden(), "--psk-file", f.key1,
+                                "--prompt-ids", "1,2", "--tokens", "2", "--threads", "1"}));
   EXPECT_EQ(r.code, 3);
   // Worker 1 authenticated the coordinator, then failed to authenticate worker 2, and says so upstream.
   EXPECT_TRUE(contains(r.err, "worker " + w2.addr() + " (stage 2, layers [2, 4)): authentication failed")) << r.err;
@@ -554,8 +527,8 @@ TEST(Slots, TricklingStrangersCannotKeepAKeyHolderOut) {
   std::cerr << "[ figures  ] key holder's STATUS answered in " << std::chrono::duration_cast<Millis>(took).count()
             << " ms under " << attack.connected() << " trickling connections\n";
   // And a whole authenticated run, while the trickle goes on.
-  const auto r = run(node({"--coordinator", w.addr(), "--model", golden(), "--psk-file", f.key1, "--prompt-ids",
-                           "1,2", "--tokens", "4", "--threads", "1", "--verify", "all"}));
+  const auto r = run(node_argv({"--coordinator", w.addr(), "--model", golden(), "--psk-file", f.key1, "--prompt-ids",
+                                "1,2", "--tokens", "4", "--threads", "1", "--verify", "all"}));
   expect_passed(r, 4, 4);
   EXPECT_TRUE(w.proc->running());
   // The log says why strangers were closed, a bounded number of lines (not one per connection).
@@ -619,8 +592,8 @@ TEST(Slots, BusyIsSaidInTheVersionTheWorkerSpeaks) {
       }
       ASSERT_EQ(c->status().count("fingerprint"), 1u);
     }
-    std::vector<std::string> argv = node({"--coordinator", w.addr(), "--model", golden(), "--prompt-ids", "1,2",
-                                          "--tokens", "2", "--threads", "1"});
+    std::vector<std::string> argv = node_argv({"--coordinator", w.addr(), "--model", golden(), "--prompt-ids", "1,2",
+                                               "--tokens", "2", "--threads", "1"});
     if (keyed) argv.insert(argv.end(), {"--psk-file", f.key1});
     const auto r = run(argv);
     EXPECT_EQ(r.code, 3);
@@ -632,8 +605,8 @@ TEST(Slots, BusyIsSaidInTheVersionTheWorkerSpeaks) {
 
 // Issue 16, finding 7: PP_NODE_PSK stayed readable in /proc/PID/environ although it was unset.
 TEST(Auth, KeyFromTheEnvironmentIsWipedFromProcEnviron) {
-  Process p(with_env_key(kKey1, node({"--worker", "--model", golden(), "--host", "127.0.0.1", "--port", "0",
-                                      "--threads", "1"})));
+  Process p(with_env_key(kKey1, node_argv({"--worker", "--model", golden(), "--host", "127.0.0.1", "--port", "0",
+                                           "--threads", "1"})));
   ASSERT_TRUE(p.started() && p.wait_output("  (Ctrl-C to stop)", 10s)) << p.err();
   std::smatch m;
   const std::string out = p.out();
@@ -653,31 +626,31 @@ TEST(Auth, KeySourcesAndUsageErrors) {
   const auto& f = files();
   {  // too short: exit 2, the source named, the key not printed
     const std::string p = f.write_key("short", "tooshort-123");
-    const auto r = run(node({"--worker", "--model", golden(), "--host", "127.0.0.1", "--port", "0", "--psk-file", p}));
+    const auto r = run(node_argv({"--worker", "--model", golden(), "--host", "127.0.0.1", "--port", "0", "--psk-file", p}));
     EXPECT_EQ(r.code, 2);
     EXPECT_TRUE(contains(r.err, "--psk-file '" + p + "': a pre-shared key of 12 bytes is outside [16, 4096]")) << r.err;
     EXPECT_FALSE(contains(r.err, "tooshort"));
   }
   {  // the same from the environment
-    const auto r = run(with_env_key("tooshort-123", node({"--coordinator", "127.0.0.1:1", "--model", golden()})));
+    const auto r = run(with_env_key("tooshort-123", node_argv({"--coordinator", "127.0.0.1:1", "--model", golden()})));
     EXPECT_EQ(r.code, 2);
     EXPECT_TRUE(contains(r.err, "PP_NODE_PSK: a pre-shared key of 12 bytes is outside [16, 4096]")) << r.err;
     EXPECT_FALSE(contains(r.err, "tooshort"));
   }
   {  // missing file
-    const auto r = run(node({"--coordinator", "127.0.0.1:1", "--model", golden(), "--psk-file", "/nonexistent/k"}));
+    const auto r = run(node_argv({"--coordinator", "127.0.0.1:1", "--model", golden(), "--psk-file", "/nonexistent/k"}));
     EXPECT_EQ(r.code, 2);
     EXPECT_TRUE(contains(r.err, "--psk-file '/nonexistent/k': No such file or directory")) << r.err;
   }
   {  // the placeholder protocol has no authentication
-    const auto r = run(node({"--worker", "--host", "127.0.0.1", "--port", "0", "--psk-file", f.key1}));
+    const auto r = run(node_argv({"--worker", "--host", "127.0.0.1", "--port", "0", "--psk-file", f.key1}));
     EXPECT_EQ(r.code, 2);
     EXPECT_TRUE(contains(r.err, "--psk-file needs --model")) << r.err;
   }
   {  // a key file others can read works, with a warning
     const std::string p = f.write_key("loose", kKey1);
     ::chmod(p.c_str(), 0644);
-    Process w(node({"--worker", "--model", golden(), "--host", "127.0.0.1", "--port", "0", "--psk-file", p}));
+    Process w(node_argv({"--worker", "--model", golden(), "--host", "127.0.0.1", "--port", "0", "--psk-file", p}));
     EXPECT_TRUE(w.wait_stderr("is accessible to other users (mode 0644): chmod 600 it", 5s)) << w.err();
   }
 }
@@ -685,7 +658,7 @@ TEST(Auth, KeySourcesAndUsageErrors) {
 TEST(Auth, NonLoopbackBindSaysWhatIsExposed) {
   const auto& f = files();
   {
-    Process w(node({"--worker", "--model", golden(), "--host", "0.0.0.0", "--port", "0", "--max-sessions", "3"}));
+    Process w(node_argv({"--worker", "--model", golden(), "--host", "0.0.0.0", "--port", "0", "--max-sessions", "3"}));
     EXPECT_TRUE(w.wait_stderr("(not loopback) without a pre-shared key: any host that can reach this port may hold "
                               "up to 256 connections and 3 sessions (--max-sessions), each running layers of "
                               "'golden-tiny-f32.gguf' with a KV cache of up to ",
@@ -694,7 +667,7 @@ TEST(Auth, NonLoopbackBindSaysWhatIsExposed) {
     EXPECT_TRUE(contains(w.err(), "Set --psk-file FILE or PP_NODE_PSK on every end")) << w.err();
   }
   {
-    Process w(node({"--worker", "--model", golden(), "--host", "0.0.0.0", "--port", "0", "--psk-file", f.key1}));
+    Process w(node_argv({"--worker", "--model", golden(), "--host", "0.0.0.0", "--port", "0", "--psk-file", f.key1}));
     EXPECT_TRUE(w.wait_stderr("every connection must prove it holds the pre-shared key before anything else", 5s))
         << w.err();
     EXPECT_FALSE(contains(w.err(), "warning")) << w.err();
@@ -723,16 +696,16 @@ TEST(Bounds, SessionsAtAndPastMaxSessions) {
     EXPECT_EQ(e->m.type, pp::net::kTypeErr);
     EXPECT_TRUE(contains(e->text(), "worker busy: all 2 sessions of this worker's --max-sessions are in use")) << e->text();
     EXPECT_TRUE(c.closed_by_peer(3s));
-    const auto r = run(node({"--coordinator", w.addr(), "--model", golden(), "--prompt-ids", "1,2", "--tokens", "2",
-                             "--threads", "1"}));
+    const auto r = run(node_argv({"--coordinator", w.addr(), "--model", golden(), "--prompt-ids", "1,2", "--tokens", "2",
+                                  "--threads", "1"}));
     EXPECT_EQ(r.code, 3);
     EXPECT_TRUE(contains(r.err, "reports: worker busy: all 2 sessions")) << r.err;
   }
   EXPECT_FALSE(contains(w.proc->err(), "loaded layers [1, 4)")) << "a refused session loaded a stage";
   a.reset();  // one ends: there is room again
   ASSERT_TRUE(wait_sessions(w.port, 1, 3s));
-  const auto r = run(node({"--coordinator", w.addr(), "--model", golden(), "--prompt-ids", "1,2", "--tokens", "4",
-                           "--threads", "1", "--verify", "all"}));
+  const auto r = run(node_argv({"--coordinator", w.addr(), "--model", golden(), "--prompt-ids", "1,2", "--tokens", "4",
+                                "--threads", "1", "--verify", "all"}));
   expect_passed(r, 4, 4);
 }
 
@@ -796,11 +769,11 @@ TEST(Bounds, CtxAndFwdRowsAtAndPastMaxCtx) {
     EXPECT_TRUE(contains(e->text(), "ctx 65 outside [1, 64] (this worker's --max-ctx)")) << e->text();
   }
   // The same through pp_node: --ctx 64 runs, --ctx 65 is refused by the worker.
-  const auto ok = run(node({"--coordinator", w.addr(), "--model", golden(), "--ctx", "64", "--prompt-ids", "1,2",
-                            "--tokens", "62", "--ignore-eos", "--threads", "1", "--verify", "all"}));
+  const auto ok = run(node_argv({"--coordinator", w.addr(), "--model", golden(), "--ctx", "64", "--prompt-ids", "1,2",
+                                 "--tokens", "62", "--ignore-eos", "--threads", "1", "--verify", "all"}));
   expect_passed(ok, 62, 62);
-  const auto past = run(node({"--coordinator", w.addr(), "--model", golden(), "--ctx", "65", "--prompt-ids", "1,2",
-                              "--tokens", "2", "--threads", "1"}));
+  const auto past = run(node_argv({"--coordinator", w.addr(), "--model", golden(), "--ctx", "65", "--prompt-ids", "1,2",
+                                   "--tokens", "2", "--threads", "1"}));
   EXPECT_EQ(past.code, 3);
   EXPECT_TRUE(contains(past.err, "ctx 65 outside [1, 64] (this worker's --max-ctx)")) << past.err;
 }
@@ -885,9 +858,9 @@ TEST_P(FaultResume, KilledAndRestartedWorkerIsReplayedAndTokensStayIdentical) {
   ws.push_back(worker(model, {}, p0));
   ws.push_back(worker(model, {}, p1));
   ASSERT_TRUE(ws[0].proc && ws[1].proc);
-  Process coord(node({"--coordinator", chain_of({&ws[0], &ws[1]}), "--model", model, "--cuts", "3,6", "--prompt-ids",
-                      "1,2,3,4", "--tokens", std::to_string(kUntilStopped), "--ignore-eos", "--threads", "1",
-                      "--verify", "all", "--dump-digests", digests, "--timeout", "2", "--resume", "120"}));
+  Process coord(node_argv({"--coordinator", chain_of({&ws[0], &ws[1]}), "--model", model, "--cuts", "3,6", "--prompt-ids",
+                           "1,2,3,4", "--tokens", std::to_string(kUntilStopped), "--ignore-eos", "--threads", "1",
+                           "--verify", "all", "--dump-digests", digests, "--timeout", "2", "--resume", "120"}));
   ASSERT_TRUE(wait_tokens(coord, digests, 8)) << "no tokens before the kill: " << coord.err();
   const std::size_t k = GetParam().killed;
   ws[k].proc->kill_hard();
@@ -920,9 +893,9 @@ TEST(FaultResumeStops, WorkerThatDoesNotComeBackEndsTheRunWithTheLastError) {
   NodeWorker w0 = worker(model), w1 = worker(model);
   ASSERT_TRUE(w0.proc && w1.proc);
   const std::string digests = (files().dir / "no-return.digests").string();
-  Process coord(node({"--coordinator", chain_of({&w0, &w1}), "--model", model, "--cuts", "3,6", "--prompt-ids",
-                      "1,2,3,4", "--tokens", std::to_string(kUntilStopped), "--ignore-eos", "--threads", "1",
-                      "--verify", "none", "--dump-digests", digests, "--timeout", "1", "--resume", "2"}));
+  Process coord(node_argv({"--coordinator", chain_of({&w0, &w1}), "--model", model, "--cuts", "3,6", "--prompt-ids",
+                           "1,2,3,4", "--tokens", std::to_string(kUntilStopped), "--ignore-eos", "--threads", "1",
+                           "--verify", "none", "--dump-digests", digests, "--timeout", "1", "--resume", "2"}));
   ASSERT_TRUE(wait_tokens(coord, digests, 4)) << coord.err();
   w1.proc->kill_hard();
   const auto t0 = Clock::now();
@@ -945,9 +918,9 @@ TEST(FaultResumeStops, WorkerRestartedWithAnotherModelIsRefusedAtOnce) {
   NodeWorker w0 = worker(model);
   NodeWorker w1 = worker(model, {}, p1);
   ASSERT_TRUE(w0.proc && w1.proc);
-  Process coord(node({"--coordinator", chain_of({&w0, &w1}), "--model", model, "--cuts", "3,6", "--prompt-ids",
-                      "1,2,3,4", "--tokens", "100000", "--ignore-eos", "--threads", "1", "--verify", "none",
-                      "--timeout", "1", "--resume", "30"}));
+  Process coord(node_argv({"--coordinator", chain_of({&w0, &w1}), "--model", model, "--cuts", "3,6", "--prompt-ids",
+                           "1,2,3,4", "--tokens", "100000", "--ignore-eos", "--threads", "1", "--verify", "none",
+                           "--timeout", "1", "--resume", "30"}));
   ASSERT_TRUE(coord.wait_output("  prompt: ", 15s)) << coord.err();
   w1.proc->kill_hard();
   w1 = worker(other, {}, p1);
@@ -972,9 +945,9 @@ TEST(FaultFile, RenamedOverWhileServingKeepsTheMappingAndNewHandshakesAreRefused
   ASSERT_TRUE(w0.proc && w1.proc);
   // A run in progress while the file is replaced: every stage keeps its mapping of the old file.
   const std::string digests = (f.dir / "renamed.digests").string();
-  Process during(node({"--coordinator", chain_of({&w0, &w1}), "--model", path, "--cuts", "3,6", "--prompt-ids",
-                       "1,2,3,4", "--tokens", std::to_string(kUntilStopped), "--ignore-eos", "--threads", "1",
-                       "--verify", "all", "--dump-digests", digests}));
+  Process during(node_argv({"--coordinator", chain_of({&w0, &w1}), "--model", path, "--cuts", "3,6", "--prompt-ids",
+                            "1,2,3,4", "--tokens", std::to_string(kUntilStopped), "--ignore-eos", "--threads", "1",
+                            "--verify", "all", "--dump-digests", digests}));
   ASSERT_TRUE(wait_tokens(during, digests, 4)) << during.err();
   fs::rename(other, path);  // atomic replacement, as `mv`, `cp --remove-destination` or a model pull do
   // Tokens computed after the replacement, every one verified against this process's unsplit model.
@@ -984,17 +957,17 @@ TEST(FaultFile, RenamedOverWhileServingKeepsTheMappingAndNewHandshakesAreRefused
   EXPECT_GE(stop_and_expect_identical(during), at_rename + 16);
   // A new session on other layer ranges: the workers map new stages from the file they identified, not
   // from the replacement now at the path (same geometry, other weights: verification would catch it).
-  const auto again = run(node({"--coordinator", chain_of({&w0, &w1}), "--model", orig, "--cuts", "2,5",
-                               "--prompt-ids", "5,6,7", "--tokens", "16", "--ignore-eos", "--threads", "1",
-                               "--verify", "all"}));
+  const auto again = run(node_argv({"--coordinator", chain_of({&w0, &w1}), "--model", orig, "--cuts", "2,5",
+                                    "--prompt-ids", "5,6,7", "--tokens", "16", "--ignore-eos", "--threads", "1",
+                                    "--verify", "all"}));
   expect_passed(again, 16, 16);
   EXPECT_TRUE(w0.proc->wait_stderr("'" + path + "' was replaced on disk after this worker started; it keeps serving "
                                    "the file it identified",
                                    3s))
       << w0.proc->err();
   // A coordinator with the new file: refused by fingerprint, naming both files.
-  const auto refused = run(node({"--coordinator", chain_of({&w0, &w1}), "--model", path, "--prompt-ids", "1,2",
-                                 "--tokens", "2", "--threads", "1"}));
+  const auto refused = run(node_argv({"--coordinator", chain_of({&w0, &w1}), "--model", path, "--prompt-ids", "1,2",
+                                      "--tokens", "2", "--threads", "1"}));
   EXPECT_EQ(refused.code, 3);
   EXPECT_TRUE(contains(refused.err, "handshake: different model file: the upstream runs 'served.gguf' (fingerprint " +
                                         pp::test::identity_of(path).fingerprint.substr(0, 16) +
@@ -1056,8 +1029,8 @@ TEST(FaultSigpipe, WorkerSurvivesClientsThatVanishWhileItWrites) {
   }
   EXPECT_TRUE(wait_sessions(w.port, 0, 5s));
   EXPECT_TRUE(w.proc->running());
-  const auto r = run(node({"--coordinator", w.addr(), "--model", golden(), "--ctx", "64", "--prompt-ids", "1,2",
-                           "--tokens", "4", "--threads", "1", "--verify", "all"}));
+  const auto r = run(node_argv({"--coordinator", w.addr(), "--model", golden(), "--ctx", "64", "--prompt-ids", "1,2",
+                                "--tokens", "4", "--threads", "1", "--verify", "all"}));
   expect_passed(r, 4, 4);
 }
 
@@ -1082,8 +1055,8 @@ TEST(FaultSigpipe, CoordinatorWritingToAClosedWorkerExitsThree) {
     m.payload_bytes = uint32_t(t.size());
     ch.send_encoded(pp::net::encode_model_header(m), std::span(reinterpret_cast<const uint8_t*>(t.data()), t.size()));
   });  // the channel closes here
-  const auto r = run(node({"--coordinator", l.local.str(), "--model", golden(), "--prompt-ids", "1,2,3,4,5,6,7,8",
-                           "--tokens", "4", "--threads", "1", "--verify", "none", "--timeout", "2"}));
+  const auto r = run(node_argv({"--coordinator", l.local.str(), "--model", golden(), "--prompt-ids", "1,2,3,4,5,6,7,8",
+                                "--tokens", "4", "--threads", "1", "--verify", "none", "--timeout", "2"}));
   fake.join();
   EXPECT_EQ(r.code, 3) << "exit " << r.code << " (141 would be death by SIGPIPE): " << r.err;
   EXPECT_TRUE(contains(r.err, "pp_node coordinator: worker " + l.local.str() + " (stage 1, layers [2, 4))")) << r.err;
@@ -1150,7 +1123,7 @@ TEST(FaultHalfClose, StatusBeforeHelloIsAnsweredThenTheConnectionEnds) {
 }
 
 TEST(FaultHalfClose, PlaceholderWorkerDeliversTheReply) {
-  Process w(node({"--worker", "--host", "127.0.0.1", "--port", "0"}));
+  Process w(node_argv({"--worker", "--host", "127.0.0.1", "--port", "0"}));
   ASSERT_TRUE(w.wait_output("  (Ctrl-C to stop)", 10s)) << w.err();
   std::smatch m;
   const std::string out = w.out();

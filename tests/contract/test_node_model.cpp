@@ -95,61 +95,23 @@ const SynthModels& synth() {
 
 // ---------------------------------------------------------------- processes
 
-std::vector<std::string> node(std::initializer_list<std::string> args) {
-  std::vector<std::string> v{node_bin()};
-  v.insert(v.end(), args);
-  return v;
-}
+using pp::test::node_argv;
+RunResult run(const std::vector<std::string>& argv, Millis timeout = 25s) { return pp::test::run_checked(argv, timeout); }
 
-RunResult run(const std::vector<std::string>& argv, Millis timeout = 25s) {
-  RunResult r = pp::test::run_process(argv, timeout);
-  if (r.timed_out) ADD_FAILURE() << argv[0] << " did not finish within " << timeout.count() << " ms; killed";
-  return r;
-}
-
-struct Worker {
-  std::unique_ptr<Process> proc;
-  uint16_t port = 0;
-  std::string addr() const { return "127.0.0.1:" + std::to_string(port); }
-};
-
-// A model worker on an ephemeral loopback port, learnt from its listening line.
-std::optional<Worker> start_worker(const std::string& model, const std::vector<std::string>& extra = {}) {
-  std::vector<std::string> argv = {node_bin(), "--worker", "--model", model, "--host", "127.0.0.1", "--port", "0",
-                                   "--threads", "1"};
-  argv.insert(argv.end(), extra.begin(), extra.end());
-  Worker w{std::make_unique<Process>(argv), 0};
-  if (!w.proc->started() || !w.proc->wait_output("  (Ctrl-C to stop)", 10s)) {
-    ADD_FAILURE() << "worker did not start; stdout: " << w.proc->out() << " stderr: " << w.proc->err();
-    return std::nullopt;
-  }
-  std::smatch m;
-  const std::string out = w.proc->out();
-  if (!std::regex_search(out, m, std::regex("listening on 127\\.0\\.0\\.1:(\\d+)  \\(Ctrl-C to stop\\)"))) {
-    ADD_FAILURE() << "no listening line in: " << out;
-    return std::nullopt;
-  }
-  w.port = static_cast<uint16_t>(std::stoi(m[1]));
-  return w;
-}
+// Model workers (pp::test::NodeWorker) on ephemeral loopback ports, learnt from their listening lines.
+using Worker = pp::test::NodeWorker;
+using pp::test::start_node_worker;
+using pp::test::chain_of;
+using pp::test::expect_passed;
 
 std::vector<Worker> start_workers(const std::string& model, std::size_t n) {
   std::vector<Worker> ws;
   for (std::size_t i = 0; i < n; ++i) {
-    auto w = start_worker(model);
+    auto w = start_node_worker(model);
     if (!w) return {};
     ws.push_back(std::move(*w));
   }
   return ws;
-}
-
-std::string chain_of(const std::vector<Worker>& ws) {
-  std::string s;
-  for (const auto& w : ws) {
-    if (!s.empty()) s += ',';
-    s += w.addr();
-  }
-  return s;
 }
 
 std::string join(const std::vector<int>& v) {
@@ -176,18 +138,6 @@ std::vector<float> read_f32(const std::string& path) {
   std::vector<float> v(b.size() / 4);
   std::memcpy(v.data(), b.data(), v.size() * 4);
   return v;
-}
-
-const std::regex kRoundTripLine(R"((\d+) tokens  round-trip ms: min \d+\.\d  p50 \d+\.\d  p99 \d+\.\d  max \d+\.\d\n)");
-
-void expect_passed(const RunResult& r, std::size_t tokens, std::size_t verified) {
-  EXPECT_EQ(r.code, 0) << r.out << r.err;
-  std::smatch m;
-  ASSERT_TRUE(std::regex_search(r.out, m, kRoundTripLine)) << r.out;
-  EXPECT_EQ(m[1], std::to_string(tokens));
-  const std::string passed = "byte-identity: " + std::to_string(verified) + "/" + std::to_string(verified) +
-                             " IDENTICAL  == pipeline split PASSED ==\n";
-  EXPECT_NE(r.out.find(passed), std::string::npos) << r.out;
 }
 
 // ---------------------------------------------------------------- the single-process reference
@@ -337,10 +287,10 @@ TEST(Handshake, ChainChecksNameTheLayers) {
 // ================================================================ real mode on loopback
 
 TEST(ModelNode, SelftestPassesTwoAndFourStages) {
-  auto r = run(node({"--selftest", "--model", golden("f32"), "--tokens", "24", "--threads", "1"}));
+  auto r = run(node_argv({"--selftest", "--model", golden("f32"), "--tokens", "24", "--threads", "1"}));
   expect_passed(r, 24, 24);
-  r = run(node({"--selftest", "--model", synth().mid, "--cuts", "2,5,7", "--prompt-ids", "1,2,3", "--tokens", "16",
-                "--ignore-eos", "--threads", "1"}));
+  r = run(node_argv({"--selftest", "--model", synth().mid, "--cuts", "2,5,7", "--prompt-ids", "1,2,3", "--tokens", "16",
+                     "--ignore-eos", "--threads", "1"}));
   expect_passed(r, 16, 16);
   EXPECT_NE(r.out.find("pipe self-test: 4 stages in one process over loopback"), std::string::npos) << r.out;
 }
@@ -362,9 +312,9 @@ TEST_P(LoopbackChain, TokensAndLogitsIdenticalToOneProcess) {
   const std::vector<int32_t> prompt = {5, 77, 300, 12, 9};
   const std::size_t n = 20;
   const fs::path logits = fs::path(synth().dir) / (c.name + ".logits");
-  const auto r = run(node({"--coordinator", chain_of(ws), "--model", model, "--cuts", join(c.cuts), "--prompt-ids",
-                           "5,77,300,12,9", "--tokens", std::to_string(n), "--ignore-eos", "--threads", "1",
-                           "--verify", "all", "--logits-out", logits.string()}));
+  const auto r = run(node_argv({"--coordinator", chain_of(ws), "--model", model, "--cuts", join(c.cuts), "--prompt-ids",
+                                "5,77,300,12,9", "--tokens", std::to_string(n), "--ignore-eos", "--threads", "1",
+                                "--verify", "all", "--logits-out", logits.string()}));
   expect_passed(r, n, n);
   const Reference split = reference(model, c.cuts, prompt, n);
   EXPECT_EQ(tokens_line(r.out), split.tokens);
@@ -396,9 +346,9 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(ModelNode, SampledTokensMatchTheGenerator) {
   auto ws = start_workers(synth().mid, 2);
   ASSERT_EQ(ws.size(), 2u);
-  const auto r = run(node({"--coordinator", chain_of(ws), "--model", synth().mid, "--cuts", "3,6", "--prompt-ids",
-                           "7,8,9", "--tokens", "24", "--ignore-eos", "--temperature", "0.9", "--top-k", "40",
-                           "--top-p", "0.95", "--seed", "1234", "--threads", "1"}));
+  const auto r = run(node_argv({"--coordinator", chain_of(ws), "--model", synth().mid, "--cuts", "3,6", "--prompt-ids",
+                                "7,8,9", "--tokens", "24", "--ignore-eos", "--temperature", "0.9", "--top-k", "40",
+                                "--top-p", "0.95", "--seed", "1234", "--threads", "1"}));
   expect_passed(r, 24, 4);  // the default bring-up probe
   EXPECT_NE(r.out.find("verify: bring-up probe of the first 4 tokens"), std::string::npos) << r.out;
   pp::SamplingParams sp;
@@ -411,9 +361,9 @@ TEST(ModelNode, SampledTokensMatchTheGenerator) {
 TEST(ModelNode, TextPromptStreamsAndReportsRates) {
   auto ws = start_workers(golden("f32"), 1);
   ASSERT_EQ(ws.size(), 1u);
-  const auto r = run(node({"--coordinator", ws[0].addr(), "--model", golden("f32"), "--prompt", "Hello world",
-                           "--tokens", "12", "--threads", "1", "--dump-digests",
-                           (fs::path(synth().dir) / "digests.txt").string()}));
+  const auto r = run(node_argv({"--coordinator", ws[0].addr(), "--model", golden("f32"), "--prompt", "Hello world",
+                                "--tokens", "12", "--threads", "1", "--dump-digests",
+                                (fs::path(synth().dir) / "digests.txt").string()}));
   EXPECT_EQ(r.code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("  prompt: "), std::string::npos) << r.out;
   EXPECT_TRUE(std::regex_search(r.out, std::regex("  prefill: \\d+ tokens in [0-9.]+ ms = [0-9.]+ tokens/s\n"))) << r.out;
@@ -432,9 +382,9 @@ TEST(ModelNode, ConcurrentSessionsKeepTheirOwnCache) {
   ASSERT_EQ(ws.size(), 2u);
   // Two coordinators at once through the same workers, different prompts, every token verified.
   auto coord = [&](const std::string& ids) {
-    return std::make_unique<Process>(node({"--coordinator", chain_of(ws), "--model", synth().mid, "--cuts", "2,5",
-                                           "--prompt-ids", ids, "--tokens", "200", "--ignore-eos", "--threads", "1",
-                                           "--verify", "all"}));
+    return std::make_unique<Process>(node_argv({"--coordinator", chain_of(ws), "--model", synth().mid, "--cuts", "2,5",
+                                                "--prompt-ids", ids, "--tokens", "200", "--ignore-eos", "--threads", "1",
+                                                "--verify", "all"}));
   };
   auto a = coord("1,2,3,4");
   auto b = coord("400,300,200");
@@ -449,7 +399,7 @@ TEST(ModelNode, ConcurrentSessionsKeepTheirOwnCache) {
 }
 
 TEST(ModelNode, SessionCountDropsWhenASessionEnds) {
-  auto w = start_worker(golden("f32"));
+  auto w = start_node_worker(golden("f32"));
   ASSERT_TRUE(w);
   EXPECT_EQ(active_sessions(w->port), 0u);
   auto a = std::make_unique<V2Client>(w->port);
@@ -485,12 +435,12 @@ TEST(ModelNode, StopsAtEndOfGeneration) {
   }
   if (!stop) GTEST_SKIP() << "no end-of-generation token drawn in 19 seeded runs of 600 tokens";
   --sp.seed;
-  auto w = start_worker(model);
+  auto w = start_node_worker(model);
   ASSERT_TRUE(w);
   auto args = [&](bool ignore) {
-    std::vector<std::string> a = node({"--coordinator", w->addr(), "--model", model, "--prompt-ids", "1,2,3",
-                                       "--tokens", "600", "--temperature", "50", "--seed", std::to_string(sp.seed),
-                                       "--threads", "1"});
+    std::vector<std::string> a = node_argv({"--coordinator", w->addr(), "--model", model, "--prompt-ids", "1,2,3",
+                                            "--tokens", "600", "--temperature", "50", "--seed", std::to_string(sp.seed),
+                                            "--threads", "1"});
     if (ignore) a.push_back("--ignore-eos");
     return a;
   };
@@ -513,10 +463,10 @@ TEST(ModelNode, OllamaTagResolvesOnEveryEnd) {
       << R"({"schemaVersion":2,"layers":[{"mediaType":"application/vnd.ollama.image.model","digest":"sha256:)" << hex
       << R"(","size":)" << bytes.size() << "}]}";
   ::setenv("OLLAMA_MODELS", store.c_str(), 1);
-  auto w = start_worker("tiny:latest");
+  auto w = start_node_worker("tiny:latest");
   ASSERT_TRUE(w);
-  const auto r = run(node({"--coordinator", w->addr(), "--model", "tiny", "--prompt-ids", "1,2,3", "--tokens", "8",
-                           "--threads", "1", "--verify", "all"}));
+  const auto r = run(node_argv({"--coordinator", w->addr(), "--model", "tiny", "--prompt-ids", "1,2,3", "--tokens", "8",
+                                "--threads", "1", "--verify", "all"}));
   ::unsetenv("OLLAMA_MODELS");
   expect_passed(r, 8, 8);
   EXPECT_NE(r.out.find("model: tiny -> " + (store / "blobs" / ("sha256-" + hex)).string()), std::string::npos) << r.out;
@@ -526,10 +476,10 @@ TEST(ModelNode, OllamaTagResolvesOnEveryEnd) {
 // ================================================================ handshake refusals
 
 TEST(Handshake, DifferentModelFileIsRefused) {
-  auto w = start_worker(golden("f32"));
+  auto w = start_node_worker(golden("f32"));
   ASSERT_TRUE(w);
-  const auto r = run(node({"--coordinator", w->addr(), "--model", golden("bf16"), "--prompt-ids", "1,2", "--tokens",
-                           "4", "--threads", "1"}));
+  const auto r = run(node_argv({"--coordinator", w->addr(), "--model", golden("bf16"), "--prompt-ids", "1,2", "--tokens",
+                                "4", "--threads", "1"}));
   EXPECT_EQ(r.code, 3) << r.out << r.err;
   EXPECT_NE(r.err.find("worker " + w->addr() + " (stage 1, layers [2, 4)) reports: handshake: different model file: "
                        "the upstream runs 'golden-tiny-bf16.gguf'"),
@@ -537,19 +487,19 @@ TEST(Handshake, DifferentModelFileIsRefused) {
       << r.err;
   EXPECT_NE(r.err.find("this worker 'golden-tiny-f32.gguf'"), std::string::npos) << r.err;
   // A model of another geometry says what differs too.
-  const auto r2 = run(node({"--coordinator", w->addr(), "--model", synth().mid, "--prompt-ids", "1,2", "--tokens",
-                            "4", "--threads", "1"}));
+  const auto r2 = run(node_argv({"--coordinator", w->addr(), "--model", synth().mid, "--prompt-ids", "1,2", "--tokens",
+                                 "4", "--threads", "1"}));
   EXPECT_EQ(r2.code, 3);
   EXPECT_NE(r2.err.find("n_layer 8 upstream != 4 here; n_embd 128 upstream != 64 here"), std::string::npos) << r2.err;
   EXPECT_TRUE(w->proc->running());
 }
 
 TEST(Handshake, DifferentFileDeeperInTheChainIsNamed) {
-  auto w1 = start_worker(golden("f32"));
-  auto w2 = start_worker(golden("f16"));
+  auto w1 = start_node_worker(golden("f32"));
+  auto w2 = start_node_worker(golden("f16"));
   ASSERT_TRUE(w1 && w2);
-  const auto r = run(node({"--coordinator", w1->addr() + "," + w2->addr(), "--model", golden("f32"), "--cuts", "1,2",
-                           "--prompt-ids", "1,2", "--tokens", "4", "--threads", "1"}));
+  const auto r = run(node_argv({"--coordinator", w1->addr() + "," + w2->addr(), "--model", golden("f32"), "--cuts", "1,2",
+                                "--prompt-ids", "1,2", "--tokens", "4", "--threads", "1"}));
   EXPECT_EQ(r.code, 3) << r.out << r.err;
   EXPECT_NE(r.err.find("worker " + w2->addr() + " (stage 2, layers [2, 4)) reports: handshake: different model file"),
             std::string::npos)
@@ -557,7 +507,7 @@ TEST(Handshake, DifferentFileDeeperInTheChainIsNamed) {
 }
 
 TEST(Handshake, OverlappingAndGappedRangesAreRefused) {
-  auto w = start_worker(golden("f32"));
+  auto w = start_node_worker(golden("f32"));
   ASSERT_TRUE(w);
   struct Case {
     int lo, hi;
@@ -577,19 +527,19 @@ TEST(Handshake, OverlappingAndGappedRangesAreRefused) {
   }
   // The coordinator refuses bad cuts itself, before connecting (usage error).
   for (const char* cuts : {"3,2", "2,2", "0,2", "2,4"}) {
-    const auto r = run(node({"--coordinator", w->addr() + "," + w->addr(), "--model", golden("f32"), "--cuts", cuts,
-                             "--prompt-ids", "1"}));
+    const auto r = run(node_argv({"--coordinator", w->addr() + "," + w->addr(), "--model", golden("f32"), "--cuts", cuts,
+                                  "--prompt-ids", "1"}));
     EXPECT_EQ(r.code, 2) << cuts << ": " << r.err;
     EXPECT_NE(r.err.find("strictly increasing"), std::string::npos) << r.err;
   }
-  const auto r = run(node({"--coordinator", w->addr(), "--model", golden("f32"), "--cuts", "1,2", "--prompt-ids", "1"}));
+  const auto r = run(node_argv({"--coordinator", w->addr(), "--model", golden("f32"), "--cuts", "1,2", "--prompt-ids", "1"}));
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("2 cut(s) for 1 worker(s)"), std::string::npos) << r.err;
   EXPECT_EQ(active_sessions(w->port), 0u);
 }
 
 TEST(Handshake, WrongVersionIsRefused) {
-  auto w = start_worker(golden("f32"));
+  auto w = start_node_worker(golden("f32"));
   ASSERT_TRUE(w);
   {  // a HELLO of another protocol version
     V2Client c(w->port);
@@ -613,20 +563,20 @@ TEST(Handshake, WrongVersionIsRefused) {
     EXPECT_TRUE(c.closed_by_peer(3s));
   }
   // The placeholder coordinator (version 1) against a model worker.
-  const auto r = run(node({"--coordinator", "127.0.0.1", "--port", std::to_string(w->port), "--hidden", "64",
-                           "--layers", "4", "--cut", "2", "--tokens", "2"}));
+  const auto r = run(node_argv({"--coordinator", "127.0.0.1", "--port", std::to_string(w->port), "--hidden", "64",
+                                "--layers", "4", "--cut", "2", "--tokens", "2"}));
   EXPECT_EQ(r.code, 3);
   EXPECT_NE(r.err.find("answered FWD seq 0 with ERR: this worker runs a model ('golden-tiny-f32.gguf', 4 layers)"),
             std::string::npos)
       << r.err;
   // A model coordinator (version 2) against a placeholder worker.
-  Process pw(node({"--worker", "--host", "127.0.0.1", "--port", "0"}));
+  Process pw(node_argv({"--worker", "--host", "127.0.0.1", "--port", "0"}));
   ASSERT_TRUE(pw.wait_output("(Ctrl-C to stop)", 5s));
   std::smatch m;
   const std::string out = pw.out();
   ASSERT_TRUE(std::regex_search(out, m, std::regex("listening on 127\\.0\\.0\\.1:(\\d+)")));
-  const auto r2 = run(node({"--coordinator", "127.0.0.1:" + m[1].str(), "--model", golden("f32"), "--prompt-ids", "1",
-                            "--tokens", "2"}));
+  const auto r2 = run(node_argv({"--coordinator", "127.0.0.1:" + m[1].str(), "--model", golden("f32"), "--prompt-ids", "1",
+                                 "--tokens", "2"}));
   EXPECT_EQ(r2.code, 3);
   EXPECT_NE(r2.err.find("speaks version 1 (a placeholder worker, started without --model)"), std::string::npos)
       << r2.err;
@@ -730,8 +680,8 @@ TEST(FaultModel, KillMiddleWorkerMidGeneration) {
   const std::string model = synth().big;
   auto ws = start_workers(model, 3);
   ASSERT_EQ(ws.size(), 3u);
-  Process coord(node({"--coordinator", chain_of(ws), "--model", model, "--cuts", "2,4,6", "--prompt-ids", "1,2,3,4",
-                      "--tokens", "1000000", "--ignore-eos", "--threads", "1", "--verify", "none", "--timeout", "3"}));
+  Process coord(node_argv({"--coordinator", chain_of(ws), "--model", model, "--cuts", "2,4,6", "--prompt-ids", "1,2,3,4",
+                           "--tokens", "1000000", "--ignore-eos", "--threads", "1", "--verify", "none", "--timeout", "3"}));
   ASSERT_TRUE(coord.wait_output("  prompt: ", 15s)) << coord.err();
   ASSERT_TRUE(wait_sessions(ws[1].port, 1, 5s));  // mid-generation: the run only ends by the kill
   ASSERT_TRUE(coord.running()) << "generation ended before the kill: " << coord.out();
@@ -749,17 +699,17 @@ TEST(FaultModel, KillMiddleWorkerMidGeneration) {
   EXPECT_TRUE(ws[2].proc->running());
   EXPECT_TRUE(wait_sessions(ws[0].port, 0, 5s));
   EXPECT_TRUE(wait_sessions(ws[2].port, 0, 5s));
-  const auto r = run(node({"--coordinator", ws[0].addr() + "," + ws[2].addr(), "--model", model, "--cuts", "3,5",
-                           "--prompt-ids", "1,2,3,4", "--tokens", "8", "--ignore-eos", "--threads", "1", "--verify",
-                           "all"}));
+  const auto r = run(node_argv({"--coordinator", ws[0].addr() + "," + ws[2].addr(), "--model", model, "--cuts", "3,5",
+                                "--prompt-ids", "1,2,3,4", "--tokens", "8", "--ignore-eos", "--threads", "1", "--verify",
+                                "all"}));
   expect_passed(r, 8, 8);
 }
 
 TEST(FaultModel, StalledLastWorkerIsNamedWithinSeconds) {
   auto ws = start_workers(golden("f32"), 2);
   ASSERT_EQ(ws.size(), 2u);
-  Process coord(node({"--coordinator", chain_of(ws), "--model", golden("f32"), "--cuts", "1,2", "--prompt-ids", "1,2",
-                      "--tokens", "1000000", "--ignore-eos", "--threads", "1", "--verify", "none", "--timeout", "1"}));
+  Process coord(node_argv({"--coordinator", chain_of(ws), "--model", golden("f32"), "--cuts", "1,2", "--prompt-ids", "1,2",
+                           "--tokens", "1000000", "--ignore-eos", "--threads", "1", "--verify", "none", "--timeout", "1"}));
   ASSERT_TRUE(coord.wait_output("  prompt: ", 10s)) << coord.err();
   ws[1].proc->signal(SIGSTOP);
   const auto t0 = Clock::now();
@@ -780,8 +730,8 @@ void drain_some(int fd) {
 }
 
 RunResult coordinator_against(const std::string& addr) {
-  return run(node({"--coordinator", addr, "--model", golden("f32"), "--prompt-ids", "1,2", "--tokens", "4",
-                   "--threads", "1", "--timeout", "1", "--load-timeout", "1"}),
+  return run(node_argv({"--coordinator", addr, "--model", golden("f32"), "--prompt-ids", "1,2", "--tokens", "4",
+                        "--threads", "1", "--timeout", "1", "--load-timeout", "1"}),
              15s);
 }
 
@@ -826,21 +776,13 @@ TEST(FaultModel, PeerAnnouncesAHugeWelcome) {
 
 // Reads one version-2 frame from a raw fd (for fake workers); false on close or timeout.
 bool fake_read_v2(int fd, pp::net::ModelHeader& m, std::vector<uint8_t>& payload) {
-  auto read_n = [fd](std::size_t n, std::vector<uint8_t>& out) {
-    out.resize(n);
-    std::size_t got = 0;
-    while (got < n) {
-      if (!pp::test::wait_readable(fd, 5s)) return false;
-      const ssize_t r = ::recv(fd, out.data() + got, n - got, 0);
-      if (r <= 0) return false;
-      got += static_cast<std::size_t>(r);
-    }
-    return true;
-  };
-  std::vector<uint8_t> h;
-  if (!read_n(48, h)) return false;
-  m = pp::net::decode_model_header(pp::net::decode_header(h), std::span(h).subspan(24));
-  return read_n(m.payload_bytes, payload);
+  const auto h = pp::test::read_exact(fd, 48, 5s);
+  if (!h) return false;
+  m = pp::net::decode_model_header(pp::net::decode_header(*h), std::span(*h).subspan(24));
+  auto p = pp::test::read_exact(fd, m.payload_bytes, 5s);
+  if (!p) return false;
+  payload = std::move(*p);
+  return true;
 }
 
 void fake_send_v2(int fd, pp::net::ModelHeader m, const std::string& payload) {
@@ -866,8 +808,8 @@ TEST(FaultModel, DifferentProfileAndWrongDigestsAreReported) {
       fake_send_v2(fd, m, std::string(4 + 32, '\0'));  // token 0, an all-zero digest
     }
   });
-  const auto r = run(node({"--coordinator", peer.addr(), "--model", golden("f32"), "--prompt-ids", "1,2", "--tokens",
-                           "3", "--ignore-eos", "--threads", "1", "--verify", "all"}));
+  const auto r = run(node_argv({"--coordinator", peer.addr(), "--model", golden("f32"), "--prompt-ids", "1,2", "--tokens",
+                                "3", "--ignore-eos", "--threads", "1", "--verify", "all"}));
   EXPECT_EQ(r.code, 1) << r.out << r.err;
   EXPECT_NE(r.out.find("numeric profiles differ (coordinator " + std::string(pp::simd::Best::name()) +
                        "; stage 1 sse4_2): byte-identity with this process is not expected"),
@@ -880,7 +822,7 @@ TEST(FaultModel, DifferentProfileAndWrongDigestsAreReported) {
 }
 
 TEST(FaultModel, RandomBytesCloseThatConnectionOnly) {
-  auto w = start_worker(golden("f32"), {"--timeout", "1"});
+  auto w = start_node_worker(golden("f32"), {"--timeout", "1"});
   ASSERT_TRUE(w);
   std::mt19937 rng(11);
   for (int trial = 0; trial < 8; ++trial) {
@@ -891,13 +833,13 @@ TEST(FaultModel, RandomBytesCloseThatConnectionOnly) {
     c.send(junk);
     c.closed_by_peer(3s);  // closes, or waits for the rest of an announced frame until we go
   }
-  const auto r = run(node({"--coordinator", w->addr(), "--model", golden("f32"), "--prompt-ids", "1,2", "--tokens",
-                           "4", "--threads", "1", "--verify", "all"}));
+  const auto r = run(node_argv({"--coordinator", w->addr(), "--model", golden("f32"), "--prompt-ids", "1,2", "--tokens",
+                                "4", "--threads", "1", "--verify", "all"}));
   expect_passed(r, 4, 4);
 }
 
 TEST(FaultModel, OversizedFramesRefusedBeforeAllocation) {
-  auto w = start_worker(golden("f32"), {"--max-ctx", "64"});
+  auto w = start_node_worker(golden("f32"), {"--max-ctx", "64"});
   ASSERT_TRUE(w);
   struct Case {
     uint32_t rows, payload_bytes;
@@ -933,20 +875,20 @@ TEST(FaultModel, OversizedFramesRefusedBeforeAllocation) {
 }
 
 TEST(FaultModel, TwoHundredStalledPartialHeaders) {
-  auto w = start_worker(golden("f32"));
+  auto w = start_node_worker(golden("f32"));
   ASSERT_TRUE(w);
   std::vector<std::unique_ptr<RawSocket>> stalled;
   for (int i = 0; i < 200; ++i) {
     stalled.push_back(std::make_unique<RawSocket>(w->port));
     stalled.back()->send({'P', 'C', 'P', 'L', 2, 1, 0});
   }
-  const auto r = run(node({"--coordinator", w->addr(), "--model", golden("f32"), "--prompt-ids", "1,2", "--tokens",
-                           "8", "--threads", "1", "--verify", "all"}));
+  const auto r = run(node_argv({"--coordinator", w->addr(), "--model", golden("f32"), "--prompt-ids", "1,2", "--tokens",
+                                "8", "--threads", "1", "--verify", "all"}));
   expect_passed(r, 8, 8);
 }
 
 TEST(FaultModel, ResetMidFrameEndsThatSessionOnly) {
-  auto w = start_worker(golden("f32"));
+  auto w = start_node_worker(golden("f32"));
   ASSERT_TRUE(w);
   {
     V2Client cl(w->port);
@@ -966,8 +908,8 @@ TEST(FaultModel, ResetMidFrameEndsThatSessionOnly) {
   EXPECT_TRUE(wait_sessions(w->port, 0, 3s));
   EXPECT_TRUE(w->proc->wait_stderr("connection reset by peer while reading FWD payload (100 of 256 bytes)", 3s))
       << w->proc->err();
-  const auto r = run(node({"--coordinator", w->addr(), "--model", golden("f32"), "--prompt-ids", "1,2", "--tokens",
-                           "4", "--threads", "1", "--verify", "all"}));
+  const auto r = run(node_argv({"--coordinator", w->addr(), "--model", golden("f32"), "--prompt-ids", "1,2", "--tokens",
+                                "4", "--threads", "1", "--verify", "all"}));
   expect_passed(r, 4, 4);
 }
 

@@ -111,10 +111,10 @@ uint32_t be32(const uint8_t* p) {
 
 // ---------------------------------------------------------------- processes
 
-std::string node_bin() {
-  const char* p = std::getenv("PP_NODE_BIN");
-  return p ? p : "";
-}
+using pp::test::expect_passed;
+using pp::test::node_argv;
+using pp::test::node_bin;
+RunResult run(const std::vector<std::string>& argv, Millis timeout = 20s) { return pp::test::run_checked(argv, timeout); }
 
 // The prototype lives beside the fixtures: $PP_SHARED_FIXTURES/../prototype/pipe_node.py.
 std::string prototype_path() {
@@ -124,41 +124,13 @@ std::string prototype_path() {
   return fs::exists(p) ? p.string() : "";
 }
 
-RunResult run(const std::vector<std::string>& argv, Millis timeout = 20s) {
-  RunResult r = pp::test::run_process(argv, timeout);
-  if (r.timed_out) ADD_FAILURE() << argv[0] << " did not finish within " << timeout.count() << " ms (scaled); killed";
-  return r;
-}
-
-std::vector<std::string> node(std::initializer_list<std::string> args) {
-  std::vector<std::string> v{node_bin()};
-  v.insert(v.end(), args);
-  return v;
-}
-
-// A pp_node worker on an ephemeral loopback port, learnt from its listening line.
-struct Worker {
-  std::unique_ptr<Process> proc;
-  uint16_t port = 0;
-};
-
+// A pp_node worker (pp::test::NodeWorker) on an ephemeral loopback port, learnt from its listening line.
+using Worker = pp::test::NodeWorker;
 std::optional<Worker> start_worker(const std::vector<std::string>& extra = {}) {
   std::vector<std::string> argv = {node_bin(), "--worker", "--host", "127.0.0.1", "--port", "0"};
   argv.insert(argv.end(), extra.begin(), extra.end());
-  Worker w{std::make_unique<Process>(argv), 0};
-  if (!w.proc->started() || !w.proc->wait_output("  (Ctrl-C to stop)", 5s)) {
-    ADD_FAILURE() << "worker did not start; stdout: " << w.proc->out() << " stderr: " << w.proc->err();
-    return std::nullopt;
-  }
-  std::smatch m;
-  const std::string out = w.proc->out();
-  if (!std::regex_search(out, m, std::regex("pipe worker \\(stage B\\) listening on 127\\.0\\.0\\.1:(\\d+)  "
-                                           "\\(Ctrl-C to stop\\)\n"))) {
-    ADD_FAILURE() << "no listening line in: " << out;
-    return std::nullopt;
-  }
-  w.port = static_cast<uint16_t>(std::stoi(m[1]));
-  return w;
+  return pp::test::start_listening(argv, 5s, "pipe worker \\(stage B\\) listening on 127\\.0\\.0\\.1:(\\d+)  "
+                                             "\\(Ctrl-C to stop\\)\n");
 }
 
 // ---------------------------------------------------------------- raw loopback client
@@ -217,49 +189,20 @@ void expect_fwd_roundtrip(Client& c, uint32_t seq, uint32_t n_words, uint32_t lo
 
 // Reads one frame from a raw fd (for fake peers); false on close/timeout.
 bool fake_read_frame(int fd, RawFrame& f) {
-  auto read_n = [fd](std::size_t n, std::vector<uint8_t>& out) {
-    out.resize(n);
-    std::size_t got = 0;
-    while (got < n) {
-      if (!pp::test::wait_readable(fd, 5s)) return false;
-      const ssize_t r = ::recv(fd, out.data() + got, n - got, 0);
-      if (r <= 0) return false;
-      got += static_cast<std::size_t>(r);
-    }
-    return true;
-  };
-  std::vector<uint8_t> h;
-  if (!read_n(24, h)) return false;
-  f.version = h[4];
-  f.type = h[5];
-  f.seq = be32(&h[8]);
-  f.lo = be32(&h[12]);
-  f.hi = be32(&h[16]);
-  return read_n(be32(&h[20]), f.payload);
+  const auto h = pp::test::read_exact(fd, 24, 5s);
+  if (!h) return false;
+  f.version = (*h)[4];
+  f.type = (*h)[5];
+  f.seq = be32(&(*h)[8]);
+  f.lo = be32(&(*h)[12]);
+  f.hi = be32(&(*h)[16]);
+  auto p = pp::test::read_exact(fd, be32(&(*h)[20]), 5s);
+  if (!p) return false;
+  f.payload = std::move(*p);
+  return true;
 }
 
 void fake_send(int fd, const std::vector<uint8_t>& b) { ::send(fd, b.data(), b.size(), MSG_NOSIGNAL); }
-
-long vm_hwm_kib(pid_t pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("VmHWM:", 0) == 0) return std::stol(line.substr(6));
-  }
-  return -1;
-}
-
-const std::regex kRoundTripLine(R"((\d+) tokens  round-trip ms: min \d+\.\d  p50 \d+\.\d  p99 \d+\.\d  max \d+\.\d\n)");
-
-void expect_passed_report(const RunResult& r, uint32_t tokens) {
-  EXPECT_EQ(r.code, 0) << r.out << r.err;
-  std::smatch m;
-  ASSERT_TRUE(std::regex_search(r.out, m, kRoundTripLine)) << r.out;
-  EXPECT_EQ(m[1], std::to_string(tokens));
-  const std::string passed =
-      "byte-identity: " + std::to_string(tokens) + "/" + std::to_string(tokens) + " IDENTICAL  == pipeline split PASSED ==\n";
-  EXPECT_NE(r.out.find(passed), std::string::npos) << r.out;
-}
 
 // ================================================================ transform (spec vectors)
 
@@ -478,8 +421,8 @@ TEST(Frame, DecodeNeverCrashesOnRandomBytes) {
 // ================================================================ command line and selftest
 
 TEST(Cli, SelftestPasses) {
-  const auto r = run(node({"--selftest", "--hidden", "256", "--layers", "8", "--cut", "3", "--tokens", "16"}));
-  expect_passed_report(r, 16);
+  const auto r = run(node_argv({"--selftest", "--hidden", "256", "--layers", "8", "--cut", "3", "--tokens", "16"}));
+  expect_passed(r, 16, 16);
   EXPECT_NE(r.out.find("pipe self-test: stage B on a local thread, splitting the forward\n\n"), std::string::npos);
   EXPECT_NE(r.out.find("  hidden=256 (1024 B)  layers=8  cut@3  stageA=[0,3)  stageB=[3,8)\n"), std::string::npos);
   EXPECT_NE(r.out.find("  wire: 2096 bytes/token"), std::string::npos) << r.out;
@@ -487,8 +430,8 @@ TEST(Cli, SelftestPasses) {
 }
 
 TEST(Cli, SelftestDefaults) {
-  const auto r = run(node({"--selftest"}));
-  expect_passed_report(r, 64);
+  const auto r = run(node_argv({"--selftest"}));
+  expect_passed(r, 64, 64);
   EXPECT_NE(r.out.find("  hidden=2880 (11520 B)  layers=24  cut@12  stageA=[0,12)  stageB=[12,24)\n"),
             std::string::npos);
 }
@@ -496,24 +439,24 @@ TEST(Cli, SelftestDefaults) {
 TEST(Cli, CutOutsideRangeIsUsageError) {
   for (const auto& [cut, layers] : std::vector<std::pair<std::string, std::string>>{
            {"0", "24"}, {"24", "24"}, {"25", "24"}, {"-1", "24"}, {"1", "1"}}) {
-    const auto r = run(node({"--selftest", "--cut", cut, "--layers", layers}));
+    const auto r = run(node_argv({"--selftest", "--cut", cut, "--layers", layers}));
     EXPECT_EQ(r.code, 2) << "--cut " << cut << " --layers " << layers << ": " << r.err;
     EXPECT_NE(r.err.find("--"), std::string::npos) << r.err;
   }
-  const auto c = run(node({"--coordinator", "127.0.0.1", "--cut", "0"}));
+  const auto c = run(node_argv({"--coordinator", "127.0.0.1", "--cut", "0"}));
   EXPECT_EQ(c.code, 2);
   EXPECT_NE(c.err.find("--cut must be between 1 and layers-1"), std::string::npos) << c.err;
 }
 
 TEST(Cli, OtherUsageErrors) {
-  EXPECT_EQ(run(node({})).code, 2);                                       // no mode
-  EXPECT_EQ(run(node({"--selftest", "--worker"})).code, 2);               // two modes
-  EXPECT_EQ(run(node({"--selftest", "--bogus"})).code, 2);                // unknown option
-  EXPECT_EQ(run(node({"--selftest", "--hidden", "0"})).code, 2);
-  EXPECT_EQ(run(node({"--selftest", "--tokens", "0"})).code, 2);
-  EXPECT_EQ(run(node({"--selftest", "--hidden", "20000000"})).code, 2);  // 80 MB > --max-payload
-  EXPECT_EQ(run(node({"--worker", "--port", "70000"})).code, 2);
-  EXPECT_EQ(run(node({"--help"})).code, 0);
+  EXPECT_EQ(run(node_argv({})).code, 2);                                       // no mode
+  EXPECT_EQ(run(node_argv({"--selftest", "--worker"})).code, 2);               // two modes
+  EXPECT_EQ(run(node_argv({"--selftest", "--bogus"})).code, 2);                // unknown option
+  EXPECT_EQ(run(node_argv({"--selftest", "--hidden", "0"})).code, 2);
+  EXPECT_EQ(run(node_argv({"--selftest", "--tokens", "0"})).code, 2);
+  EXPECT_EQ(run(node_argv({"--selftest", "--hidden", "20000000"})).code, 2);  // 80 MB > --max-payload
+  EXPECT_EQ(run(node_argv({"--worker", "--port", "70000"})).code, 2);
+  EXPECT_EQ(run(node_argv({"--help"})).code, 0);
 }
 
 // A worker that corrupts one word: the coordinator reports the prototype's FAIL line, exit 1.
@@ -527,8 +470,8 @@ TEST(Cli, MismatchExitsOne) {
       fake_send(fd, raw_frame(1, 2, f.seq, f.lo, f.hi, static_cast<uint32_t>(words.size() * 4), le_bytes(words)));
     }
   });
-  const auto r = run(node({"--coordinator", "127.0.0.1", "--port", std::to_string(peer.port()), "--hidden", "16",
-                           "--layers", "4", "--cut", "2", "--tokens", "6", "--timeout", "5"}));
+  const auto r = run(node_argv({"--coordinator", "127.0.0.1", "--port", std::to_string(peer.port()), "--hidden", "16",
+                                "--layers", "4", "--cut", "2", "--tokens", "6", "--timeout", "5"}));
   EXPECT_EQ(r.code, 1) << r.out << r.err;
   EXPECT_NE(r.out.find("byte-identity: 3/6 identical  FAIL (3)\n"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("  MISMATCH seq=1: dist="), std::string::npos) << r.out;
@@ -549,15 +492,15 @@ TEST(Interop, NodeCoordinatorAgainstPrototypeWorker) {
   Process py({"python3", "-u", proto, "--worker", "--host", "127.0.0.1", "--port", std::to_string(port)});
   ASSERT_TRUE(py.wait_output("listening on 127.0.0.1:" + std::to_string(port), 10s)) << py.out() << py.err();
   for (const auto& s : kInteropShapes) {
-    const auto r = run(node({"--coordinator", "127.0.0.1", "--port", std::to_string(port), "--hidden",
-                             std::to_string(s.hidden), "--layers", std::to_string(s.layers), "--cut",
-                             std::to_string(s.cut), "--tokens", std::to_string(s.tokens)}));
+    const auto r = run(node_argv({"--coordinator", "127.0.0.1", "--port", std::to_string(port), "--hidden",
+                                  std::to_string(s.hidden), "--layers", std::to_string(s.layers), "--cut",
+                                  std::to_string(s.cut), "--tokens", std::to_string(s.tokens)}));
     SCOPED_TRACE("hidden " + std::to_string(s.hidden) + " layers " + std::to_string(s.layers) + " cut " +
                  std::to_string(s.cut));
-    expect_passed_report(r, s.tokens);
+    expect_passed(r, s.tokens, s.tokens);
   }
-  const auto nv = run(node({"--coordinator", "127.0.0.1", "--port", std::to_string(port), "--hidden", "32",
-                            "--layers", "3", "--cut", "1", "--tokens", "3", "--no-verify"}));
+  const auto nv = run(node_argv({"--coordinator", "127.0.0.1", "--port", std::to_string(port), "--hidden", "32",
+                                 "--layers", "3", "--cut", "1", "--tokens", "3", "--no-verify"}));
   EXPECT_EQ(nv.code, 0) << nv.err;
   EXPECT_NE(nv.out.find("\nbyte-identity: skipped (--no-verify); worker holds the far layers\n"), std::string::npos)
       << nv.out;
@@ -580,10 +523,10 @@ TEST(Interop, PrototypeCoordinatorAgainstNodeWorker) {
     SCOPED_TRACE("hidden " + std::to_string(s.hidden) + " layers " + std::to_string(s.layers) + " cut " +
                  std::to_string(s.cut));
     const auto rp = run(py);
-    expect_passed_report(rp, s.tokens);
+    expect_passed(rp, s.tokens, s.tokens);
     // Both coordinators print the same header lines.
     const auto rc = run(cpp);
-    expect_passed_report(rc, s.tokens);
+    expect_passed(rc, s.tokens, s.tokens);
     auto first_lines = [](const std::string& out) {
       const auto a = out.find('\n');
       return out.substr(0, out.find('\n', a + 1) + 1);
@@ -621,7 +564,7 @@ TEST(FaultWorker, RandomBytesCloseThatConnectionOnly) {
 TEST(FaultWorker, FourGiBHeaderRefusedBeforeAllocation) {
   auto w = start_worker({"--timeout", "2"});
   ASSERT_TRUE(w);
-  const long base = vm_hwm_kib(w->proc->pid());  // the worker's own footprint (larger under ASan)
+  const long base = pp::test::proc_status_kib(w->proc->pid(), "VmHWM");  // the worker's own footprint (larger under ASan)
   Client c(w->port);
   ASSERT_TRUE(c.send(raw_frame(1, 1, 42, 0, 1, 0xFFFFFFFCu)));
   const auto err = c.read_frame(3s);
@@ -631,7 +574,7 @@ TEST(FaultWorker, FourGiBHeaderRefusedBeforeAllocation) {
   EXPECT_EQ(err->text(), "frame: FWD seq 42: payload_bytes 4294967292 > limit 67108864 (--max-payload)");
   EXPECT_TRUE(c.closed_by_peer(3s));
   // Nothing near the announced size was ever reserved.
-  const long hwm = vm_hwm_kib(w->proc->pid());
+  const long hwm = pp::test::proc_status_kib(w->proc->pid(), "VmHWM");
   EXPECT_GT(hwm, 0);
   EXPECT_LT(hwm - base, 32 * 1024) << "worker peak RSS " << hwm << " KiB, " << base << " KiB before the frame";
 
@@ -766,8 +709,8 @@ TEST(FaultWorker, IdleConnectionsTimeOut) {
 TEST(FaultWorker, KilledWorkerEndsCoordinatorWithinSeconds) {
   auto w = start_worker();
   ASSERT_TRUE(w);
-  Process coord(node({"--coordinator", "127.0.0.1", "--port", std::to_string(w->port), "--hidden", "64", "--layers",
-                      "4", "--cut", "2", "--tokens", "4000000000", "--no-verify", "--timeout", "3"}));
+  Process coord(node_argv({"--coordinator", "127.0.0.1", "--port", std::to_string(w->port), "--hidden", "64", "--layers",
+                           "4", "--cut", "2", "--tokens", "4000000000", "--no-verify", "--timeout", "3"}));
   ASSERT_TRUE(coord.wait_output("stageB=[2,4)", 5s)) << coord.err();
   std::this_thread::sleep_for(200ms);
   w->proc->kill_hard();
@@ -782,8 +725,8 @@ TEST(FaultWorker, KilledWorkerEndsCoordinatorWithinSeconds) {
 // ================================================================ faults: a coordinator facing a bad worker
 
 RunResult coordinator_against(uint16_t port, const std::string& timeout = "1") {
-  return run(node({"--coordinator", "127.0.0.1", "--port", std::to_string(port), "--hidden", "64", "--layers", "4",
-                   "--cut", "2", "--tokens", "4", "--timeout", timeout}),
+  return run(node_argv({"--coordinator", "127.0.0.1", "--port", std::to_string(port), "--hidden", "64", "--layers", "4",
+                        "--cut", "2", "--tokens", "4", "--timeout", timeout}),
              15s);
 }
 

@@ -46,10 +46,7 @@ using pp::test::Clock;
 using pp::test::Millis;
 using pp::test::Process;
 
-std::string node_bin() {
-  const char* p = std::getenv("PP_NODE_BIN");
-  return p ? p : "";
-}
+using pp::test::node_bin;
 
 // ---------------------------------------------------------------- the model
 
@@ -920,13 +917,7 @@ double health_seconds(const Pipeline& p, int* status = nullptr) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-long rss_kib(pid_t pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(in, line))
-    if (line.rfind("VmRSS:", 0) == 0) return std::stol(line.substr(6));
-  return -1;
-}
+long rss_kib(pid_t pid) { return pp::test::proc_status_kib(pid, "VmRSS"); }
 
 // 200 connections trickling a header line a second and 100 that sent half a head hold nothing: /health
 // answers within max(1 s, 20x its baseline) all along, and the trickling connections are closed (408) at

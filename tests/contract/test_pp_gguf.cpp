@@ -1,6 +1,8 @@
 // pp_gguf contract: `info` on generated and fixture files (exit 0, expected lines), errors exit 2 with one line.
 #include <pp/io/gguf_writer.hpp>
 
+#include "../common/node_process.hpp"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -22,15 +24,7 @@ using pp::gguf::TensorType;
 using pp::gguf::Writer;
 using testing::HasSubstr;
 
-struct ToolRun {
-  int status = -1;
-  std::string out, err;
-};
-
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
+using ToolRun = pp::test::RunResult;
 
 // A scratch directory unique to this process, removed at exit.
 const fs::path& scratch() {
@@ -45,19 +39,13 @@ const fs::path& scratch() {
   return dir;
 }
 
-// Runs pp_gguf with `args` (each single-quoted), capturing stdout, stderr and the exit status.
+// Runs pp_gguf with `args`, capturing stdout, stderr and the exit status; a run killed after 30 s (scaled) is
+// also a failure.
 ToolRun pp_gguf(const std::vector<std::string>& args) {
   const char* bin = std::getenv("PP_GGUF_BIN");
-  std::string cmd = bin ? bin : "tools/pp_gguf";
-  for (const auto& a : args) cmd += " '" + a + "'";
-  const fs::path out = scratch() / "stdout", err = scratch() / "stderr";
-  cmd += " >'" + out.string() + "' 2>'" + err.string() + "'";
-  ToolRun r;
-  const int rc = std::system(cmd.c_str());
-  r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
-  r.out = slurp(out);
-  r.err = slurp(err);
-  return r;
+  std::vector<std::string> argv{bin ? bin : "tools/pp_gguf"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return pp::test::run_checked(argv, std::chrono::seconds(30));
 }
 
 fs::path write_file(const std::string& name, const std::vector<uint8_t>& bytes) {
@@ -90,7 +78,7 @@ std::vector<uint8_t> llama_like(uint32_t n_blocks, bool tied) {
 TEST(PpGgufInfo, PrintsHeaderMetadataTensorsAndTotals) {
   const fs::path p = write_file("model.gguf", llama_like(2, false));
   const ToolRun r = pp_gguf({"info", p.string()});
-  ASSERT_EQ(r.status, 0) << r.err;
+  ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(r.err, "");
   EXPECT_THAT(r.out, HasSubstr("version: 3\n"));
   EXPECT_THAT(r.out, HasSubstr("alignment: 32\n"));
@@ -107,7 +95,7 @@ TEST(PpGgufInfo, PrintsHeaderMetadataTensorsAndTotals) {
 TEST(PpGgufInfo, StagesFollowTheLayerRule) {
   const fs::path p = write_file("tied.gguf", llama_like(5, true));
   const ToolRun r = pp_gguf({"info", p.string(), "--stages", "3"});
-  ASSERT_EQ(r.status, 0) << r.err;
+  ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_THAT(r.out, HasSubstr("split into 3 stages over 5 blocks:"));
   // 2 block tensors (2048 bytes) per block; rope_freqs 32; token_embd 4096; output_norm 64.
   EXPECT_THAT(r.out, HasSubstr("stage 0 (first): blocks [0, 1), 4 tensors, 6176 bytes"));
@@ -118,7 +106,7 @@ TEST(PpGgufInfo, StagesFollowTheLayerRule) {
 
   const fs::path u = write_file("untied.gguf", llama_like(4, false));
   const ToolRun s = pp_gguf({"info", u.string(), "--stages", "2"});
-  ASSERT_EQ(s.status, 0) << s.err;
+  ASSERT_EQ(s.code, 0) << s.err;
   EXPECT_THAT(s.out, HasSubstr("stage 0 (first): blocks [0, 2), 6 tensors, 8224 bytes"));
   EXPECT_THAT(s.out, HasSubstr("stage 1 (last): blocks [2, 4), 7 tensors, 8288 bytes"));
   EXPECT_THAT(s.out, HasSubstr("outside blocks: rope_freqs.weight output_norm.weight output.weight\n"));
@@ -131,7 +119,7 @@ TEST(PpGgufInfo, GoldenTinyFixture) {
       p = fs::path(d) / "golden-tiny/golden-tiny-bf16.gguf";
   if (p.empty()) GTEST_SKIP() << "golden-tiny-bf16.gguf absent (PP_TEST_DATA, PP_SHARED_FIXTURES)";
   const ToolRun r = pp_gguf({"info", p.string(), "--stages", "2"});
-  ASSERT_EQ(r.status, 0) << r.err;
+  ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_THAT(r.out, HasSubstr("tensors (39):"));
   EXPECT_THAT(r.out, testing::ContainsRegex("token_embd\\.weight +BF16 +\\[64, 512\\] +65536"));
   EXPECT_THAT(r.out, HasSubstr("stage 0 (first): blocks [0, 2)"));
@@ -140,7 +128,7 @@ TEST(PpGgufInfo, GoldenTinyFixture) {
 
 // Every error: nothing on stdout, exactly one line on stderr naming the problem, exit 2.
 void expect_error(const ToolRun& r, const std::string& message) {
-  EXPECT_EQ(r.status, 2);
+  EXPECT_EQ(r.code, 2);
   EXPECT_EQ(r.out, "");
   EXPECT_THAT(r.err, testing::StartsWith("pp_gguf: "));
   EXPECT_THAT(r.err, HasSubstr(message));
@@ -172,7 +160,7 @@ TEST(PpGgufInfo, NamesFromTheFileAreEscapedEverywhereTheyArePrinted) {
   w.add_tensor(esc_other, TensorType::F32, {16}, zeros.data(), 64);
   const fs::path p = write_file("escapes.gguf", w.bytes());
   const ToolRun r = pp_gguf({"info", p.string(), "--stages", "2"});
-  ASSERT_EQ(r.status, 0) << r.err;
+  ASSERT_EQ(r.code, 0) << r.err;
   for (const std::string* s : {&r.out, &r.err}) {
     for (char c : *s) {
       const auto u = static_cast<unsigned char>(c);
@@ -188,7 +176,7 @@ TEST(PpGgufInfo, NamesFromTheFileAreEscapedEverywhereTheyArePrinted) {
   d.add_tensor(esc_tensor, TensorType::F32, {16}, zeros.data(), 64);
   d.add_tensor(esc_tensor, TensorType::F32, {16}, zeros.data(), 64);
   const ToolRun e = pp_gguf({"info", write_file("dup.gguf", d.bytes()).string()});
-  EXPECT_EQ(e.status, 2);
+  EXPECT_EQ(e.code, 2);
   EXPECT_THAT(e.err, HasSubstr("tensor 'blk.0.\\x1b[2J\\x9b31m\\x0d\\nx\\x00y.weight': duplicate tensor name"));
   for (char c : e.err) {
     const auto u = static_cast<unsigned char>(c);

@@ -1,5 +1,6 @@
 // pp_worker contract: spawns the real binary (PP_WORKER_BIN) and checks each rule of the stage
 // worker protocol (../shared/spec/worker-protocol.md, docs/PROTOCOL-WORKER.md) in its own test.
+#include "../common/fake_store.hpp"
 #include "../common/worker_process.hpp"
 #include "worker/base64.hpp"
 
@@ -180,43 +181,31 @@ TEST(StartupEnv, RefusedEvenInRealMode) {
 
 // ---------------------------------------------------------------- real mode start-up (model resolution)
 
-// A fake Ollama store in a temp dir, used as both $OLLAMA_MODELS and $HOME.
-class FakeStore : public ::testing::Test {
- protected:
-  void SetUp() override {
-    char tmpl[] = "/tmp/pp_worker_store_XXXXXX";
-    ASSERT_NE(::mkdtemp(tmpl), nullptr);
-    root_ = tmpl;
-    const std::string hex(64, 'c');
-    blob_ = root_ / ("blobs/sha256-" + hex);
-    fs::create_directories(blob_.parent_path());
-    const std::string gguf = std::string("GGUF\x03\0\0\0", 8) + std::string(24, '\0');
-    std::ofstream(blob_, std::ios::binary) << gguf;
-    const fs::path m = root_ / "manifests/registry.ollama.ai/library/fake/1b";
-    fs::create_directories(m.parent_path());
-    std::ofstream(m) << R"({"layers":[{"mediaType":"application/vnd.ollama.image.model","digest":"sha256:)" << hex
-                     << R"(","size":)" << gguf.size() << "}]}";
-  }
-  void TearDown() override { fs::remove_all(root_); }
-  Env env(const std::string& model) const {
-    return {{"STAGE", "0"}, {"NUM_STAGES", "2"}, {"MODEL", model}, {"OLLAMA_MODELS", root_.string()},
-            {"HOME", root_.string()}};
-  }
-  fs::path root_;
-  fs::path blob_;
-};
+// A fake Ollama store (tests/common/fake_store.hpp) holding fake:1b, a GGUF header only; `stage0_env` runs stage 0 of
+// 2 on `model` with the store as both $OLLAMA_MODELS and $HOME.
+using pp::test::FakeStore;
+fs::path add_fake_1b(pp::test::OllamaStore& s) {
+  return s.add_model("fake", "1b", std::string("GGUF\x03\0\0\0", 8) + std::string(24, '\0'), std::string(64, 'c'));
+}
+Env stage0_env(const pp::test::OllamaStore& s, const std::string& model) {
+  Env e = s.env();
+  e.insert({{"STAGE", "0"}, {"NUM_STAGES", "2"}, {"MODEL", model}});
+  return e;
+}
 
 TEST_F(FakeStore, RealModeResolvesTheTagBeforeLoading) {
-  Worker w(env("fake:1b"));
+  const fs::path blob = add_fake_1b(*this);
+  Worker w(stage0_env(*this, "fake:1b"));
   const std::optional<int> code = w.wait_exit();
   ASSERT_TRUE(code.has_value());
   EXPECT_EQ(*code, 2);  // the blob is a GGUF header only: no loadable model either way
   EXPECT_EQ(w.stdout_so_far(), "");
-  EXPECT_NE(w.stderr_text().find(blob_.string()), std::string::npos) << w.stderr_text();
+  EXPECT_NE(w.stderr_text().find(blob.string()), std::string::npos) << w.stderr_text();
 }
 
 TEST_F(FakeStore, RealModeMissingTagListsPathsTried) {
-  Worker w(env("fake:70b"));
+  add_fake_1b(*this);
+  Worker w(stage0_env(*this, "fake:70b"));
   ASSERT_EQ(w.wait_exit(), std::optional<int>(2));
   const std::string err = w.stderr_text();
   EXPECT_NE(err.find((root_ / "manifests/registry.ollama.ai/library/fake/70b").string()), std::string::npos) << err;
@@ -224,7 +213,8 @@ TEST_F(FakeStore, RealModeMissingTagListsPathsTried) {
 }
 
 TEST_F(FakeStore, RealModeWithoutModelExits2) {
-  Env e = env("");
+  add_fake_1b(*this);
+  Env e = stage0_env(*this, "");
   e.erase("MODEL");
   Worker w(e);
   ASSERT_EQ(w.wait_exit(), std::optional<int>(2));
@@ -232,9 +222,10 @@ TEST_F(FakeStore, RealModeWithoutModelExits2) {
 }
 
 TEST_F(FakeStore, ModelFlagOverridesEnvironment) {
+  add_fake_1b(*this);
   const fs::path notgguf = root_ / "x.gguf";
   std::ofstream(notgguf) << "nope";
-  Worker w(env("fake:1b"), {"--model", notgguf.string()});
+  Worker w(stage0_env(*this, "fake:1b"), {"--model", notgguf.string()});
   ASSERT_EQ(w.wait_exit(), std::optional<int>(2));
   EXPECT_NE(w.stderr_text().find("not a GGUF file"), std::string::npos) << w.stderr_text();
 }

@@ -7,7 +7,9 @@
 //   seeded; their tokens equal generate_full (no wire rounding) on golden-tiny.
 // * An Ollama tag resolved through a fake store starts a real worker; a middle stage maps its share.
 // * Bench.* (only with PP_WORKER_BENCH_MODEL): per-op overhead and tokens/s of a 2-stage pipeline.
+#include "../common/fake_store.hpp"
 #include "../common/fixtures.hpp"
+#include "../common/node_process.hpp"
 #include "../common/worker_process.hpp"
 #include "worker/base64.hpp"
 #include "worker/startup.hpp"
@@ -33,11 +35,8 @@
 #include <vector>
 
 #include <fcntl.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-extern char** environ;
 
 namespace {
 
@@ -54,43 +53,10 @@ std::string bin_from_env(const char* var, const char* name) {
   return pp::test::tool_path(name);
 }
 
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-struct ToolRun {
-  int status = -1;
-  std::string out, err;
-};
-
-// Runs a tool to completion with stdout and stderr captured (tools here finish in seconds).
-ToolRun run_tool(const std::vector<std::string>& argv) {
-  char tmpl[] = "/tmp/pp_worker_real_tool_XXXXXX";
-  const fs::path dir = ::mkdtemp(tmpl);
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_addopen(&fa, 1, (dir / "out").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_addopen(&fa, 2, (dir / "err").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  std::vector<char*> args;
-  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  pid_t pid = -1;
-  ToolRun r;
-  if (::posix_spawn(&pid, args[0], &fa, nullptr, args.data(), environ) == 0) {
-    int st = 0;
-    ::waitpid(pid, &st, 0);
-    r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  }
-  posix_spawn_file_actions_destroy(&fa);
-  r.out = slurp(dir / "out");
-  r.err = slurp(dir / "err");
-  fs::remove_all(dir);
-  return r;
-}
+// A tool run to completion (pp::test::run_process) with stdout and stderr captured; one that has not finished
+// after 120 s (scaled) is killed and a test failure.
+using pp::test::RunResult;
+RunResult run_tool(const std::vector<std::string>& argv) { return pp::test::run_checked(argv, std::chrono::seconds(120)); }
 
 std::string join_ids(const std::vector<int32_t>& v, char sep = ',') {
   std::string s;
@@ -127,17 +93,7 @@ std::vector<json> events_of(const Worker& w, const std::string& kind) {
   return out;
 }
 
-double vm_rss_mb(pid_t pid) {
-  std::ifstream st("/proc/" + std::to_string(pid) + "/status");
-  std::string key;
-  while (st >> key)
-    if (key == "VmRSS:") {
-      double kb = 0;
-      st >> kb;
-      return kb / 1024.0;
-    }
-  return -1;
-}
+double vm_rss_mb(pid_t pid) { return double(pp::test::proc_status_kib(pid, "VmRSS")) / 1024.0; }
 
 WorkerEnv real_env(const std::string& model, int stage, int n, const WorkerEnv& extra = {}) {
   WorkerEnv e = {{"STAGE", std::to_string(stage)}, {"NUM_STAGES", std::to_string(n)}, {"MODEL", model},
@@ -175,8 +131,8 @@ struct Models {
     auto synth = [&](const std::string& name, std::vector<std::string> args) {
       const std::string out = (dir / name).string();
       args.insert(args.begin(), {gguf_bin, "synth", out});
-      const ToolRun r = run_tool(args);
-      if (r.status != 0) throw std::runtime_error("pp_gguf synth " + name + " failed: " + r.err);
+      const RunResult r = run_tool(args);
+      if (r.code != 0) throw std::runtime_error("pp_gguf synth " + name + " failed: " + r.err);
       return out;
     };
     deep = synth("deep.gguf", {"--layers", "10", "--embd", "64", "--ff", "128", "--vocab", "512", "--seed", "5"});
@@ -301,10 +257,10 @@ GeneratorOutput pp_generate(const std::string& model, const std::vector<int32_t>
   if (logits) argv.insert(argv.end(), {"--logits-out", logits_path});
   if (!cuts.empty()) argv.insert(argv.end(), {"--cuts", join_ids(cuts), "--wire", wire});
   argv.insert(argv.end(), extra.begin(), extra.end());
-  const ToolRun r = run_tool(argv);
+  const RunResult r = run_tool(argv);
   GeneratorOutput g;
   g.stderr_text = r.err;
-  if (r.status != 0) {
+  if (r.code != 0) {
     fs::remove_all(dir);
     throw std::runtime_error("pp_generate failed: " + r.err);
   }
@@ -608,24 +564,12 @@ TEST(Equivalence, SeededSamplingEqualsGenerator) {
 // ---------------------------------------------------------------- model resolution and residency
 
 TEST(RealOllama, TagInAFakeStoreStartsARealWorker) {
-  char tmpl[] = "/tmp/pp_worker_real_store_XXXXXX";
-  const fs::path root = ::mkdtemp(tmpl);
-  const std::string blob = slurp(golden_tiny());
+  pp::test::OllamaStore store;  // tests/common/fake_store.hpp; removed after the worker has stopped
+  const std::string blob = pp::test::read_text_file(golden_tiny());
   const std::string hex = pp::to_hex(pp::sha256({reinterpret_cast<const uint8_t*>(blob.data()), blob.size()}));
-  fs::create_directories(root / "blobs");
-  std::ofstream(root / ("blobs/sha256-" + hex), std::ios::binary) << blob;
-  const fs::path manifest = root / "manifests/registry.ollama.ai/library/golden-tiny/latest";
-  fs::create_directories(manifest.parent_path());
-  std::ofstream(manifest) << json({{"schemaVersion", 2},
-                                   {"layers", {{{"mediaType", "application/vnd.ollama.image.template"},
-                                                {"digest", "sha256:" + std::string(64, 'a')},
-                                                {"size", 10}},
-                                               {{"mediaType", "application/vnd.ollama.image.model"},
-                                                {"digest", "sha256:" + hex},
-                                                {"size", blob.size()}}}}})
-                                 .dump();
+  const fs::path blob_path = store.add_model("golden-tiny", "latest", blob, hex);
   {
-    Worker w(real_env("golden-tiny", 0, 2, {{"OLLAMA_MODELS", root.string()}, {"HOME", root.string()}}));
+    Worker w(real_env("golden-tiny", 0, 2, store.env()));
     const json r = w.reply(30);
     EXPECT_EQ(r.at("status"), "ready");
     EXPECT_EQ(r.at("mode"), "real");
@@ -635,10 +579,9 @@ TEST(RealOllama, TagInAFakeStoreStartsARealWorker) {
     const std::vector<json> resolved = events_of(w, "model_resolved");
     ASSERT_EQ(resolved.size(), 1u);
     EXPECT_EQ(resolved[0].at("how"), "ollama");
-    EXPECT_EQ(resolved[0].at("path"), (root / ("blobs/sha256-" + hex)).string());
+    EXPECT_EQ(resolved[0].at("path"), blob_path.string());
     expect_ok(w.call({{"op", "embed_and_forward"}, {"request_id", 1}, {"tokens", {496, 198}}}), 1);
   }
-  fs::remove_all(root);
 }
 
 // A middle stage maps and pages in only its blocks; generate_full then pages in the rest of the model.

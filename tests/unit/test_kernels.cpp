@@ -1,9 +1,11 @@
-// Kernels on every compiled-in architecture against scalar oracles; bf16/f16 conversions bit-exact.
+// Kernels on every compiled-in architecture against float64 (Eigen) oracles; bf16/f16 conversions bit-exact.
 #include <pp/core/float16.hpp>
+#include <pp/kernels/attention.hpp>
 #include <pp/kernels/matmul.hpp>
 #include <pp/kernels/ops.hpp>
 
 #include "../common/archs.hpp"
+#include "../common/oracle.hpp"
 
 #include <gtest/gtest.h>
 
@@ -15,13 +17,9 @@
 namespace {
 
 using pp::test::for_each_arch;
+using pp::test::f64;
 
-std::vector<float> randv(std::size_t n, std::mt19937& rng, float scale = 1.f) {
-  std::normal_distribution<float> d(0.f, scale);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
+using pp::test::randv;
 
 TEST(Float16, Bf16RoundTripAndRounding) {
   for (uint32_t h = 0; h < 65536; ++h) {
@@ -107,18 +105,14 @@ TEST(Matmul, EveryTypeAndArchAgainstScalarOracle) {
         const Stored w = store(t, randv(rows * cols, rng));
         const std::vector<float> x = randv(m * cols, rng);
         pp::MatView mv{t, w.bytes.data(), rows, cols, pp::row_bytes(t, cols)};
+        const pp::test::Dots o = pp::test::dots(w.values, x, m, rows, cols);
         for_each_arch([&](auto a) {
           using A = decltype(a);
           std::vector<float> y(m * rows, NAN);
           pp::kernels::matmul_rows<A>(mv, x.data(), m, y.data(), 0, rows);
           for (std::size_t i = 0; i < m; ++i)
             for (std::size_t r = 0; r < rows; ++r) {
-              double want = 0, mag = 0;
-              for (std::size_t j = 0; j < cols; ++j) {
-                want += double(w.values[r * cols + j]) * x[i * cols + j];
-                mag += std::abs(double(w.values[r * cols + j]) * x[i * cols + j]);
-              }
-              ASSERT_NEAR(y[i * rows + r], want, 1e-6 * mag + 1e-30)
+              ASSERT_NEAR(y[i * rows + r], o.want(i, r), 1e-6 * o.mag(i, r) + 1e-30)
                   << A::name() << " " << pp::dtype_name(t) << " cols " << cols << " m " << m;
             }
         });
@@ -146,13 +140,10 @@ TEST(Ops, RmsnormSwigluSoftmaxDotAxpyOnEveryArch) {
   std::mt19937 rng(3);
   for (std::size_t n : {1, 5, 16, 33, 100, 2048}) {
     const auto x = randv(n, rng), w = randv(n, rng), u = randv(n, rng, 3.f);
-    double ss = 0, dot = 0, mag = 0;
-    for (std::size_t i = 0; i < n; ++i) {
-      ss += double(x[i]) * x[i];
-      dot += double(x[i]) * w[i];
-      mag += std::abs(double(x[i]) * w[i]);
-    }
-    const double scale = 1 / std::sqrt(ss / double(n) + 1e-5);
+    const Eigen::VectorXd X = f64(x, n, 1), Wv = f64(w, n, 1), U = f64(u, n, 1);
+    const double dot = X.dot(Wv), mag = X.cwiseAbs().dot(Wv.cwiseAbs());
+    const double scale = 1 / std::sqrt(X.squaredNorm() / double(n) + 1e-5);
+    const Eigen::ArrayXd e = (U.array() - U.maxCoeff()).exp(), soft = e / e.sum();
     for_each_arch([&](auto a) {
       using A = decltype(a);
       std::vector<float> out(n);
@@ -170,10 +161,7 @@ TEST(Ops, RmsnormSwigluSoftmaxDotAxpyOnEveryArch) {
       }
       std::vector<float> s = u;
       pp::kernels::softmax<A>(s.data(), n);
-      double mx = -1e30, sum = 0;
-      for (float v : u) mx = std::max(mx, double(v));
-      for (float v : u) sum += std::exp(double(v) - mx);
-      for (std::size_t i = 0; i < n; ++i) ASSERT_NEAR(s[i], std::exp(double(u[i]) - mx) / sum, 1e-6);
+      for (std::size_t i = 0; i < n; ++i) ASSERT_NEAR(s[i], soft(Eigen::Index(i)), 1e-6);
     });
   }
 }
@@ -220,6 +208,7 @@ TEST(Matmul, DispatchedHalfPathsMatchOracleAndAreBatchInvariant) {
       const Stored w = store(type, randv(rows * cols, rng));
       const std::size_t m = 37;
       const std::vector<float> x = randv(m * cols, rng, 3.f);
+      const pp::test::Dots o = pp::test::dots(w.values, x, m, rows, cols);
       pp::MatView mv{type, w.bytes.data(), rows, cols, cols * 2};
       std::vector<float> y(m * rows), y1(rows), y3(m * rows);
       pp::ThreadPool p1(1), p3(3);
@@ -230,12 +219,7 @@ TEST(Matmul, DispatchedHalfPathsMatchOracleAndAreBatchInvariant) {
         pp::kernels::matmul(p1, mv, x.data() + i * cols, 1, y1.data(), {}, true);
         for (std::size_t r = 0; r < rows; ++r) {
           ASSERT_EQ(y1[r], y[i * rows + r]) << "row " << r << " token " << i;
-          double want = 0, mag = 0;
-          for (std::size_t j = 0; j < cols; ++j) {
-            want += double(w.values[r * cols + j]) * x[i * cols + j];
-            mag += std::abs(double(w.values[r * cols + j]) * x[i * cols + j]);
-          }
-          ASSERT_NEAR(y[i * rows + r], want, 1e-6 * mag + 1e-30) << "rows " << rows << " cols " << cols;
+          ASSERT_NEAR(y[i * rows + r], o.want(i, r), 1e-6 * o.mag(i, r) + 1e-30) << "rows " << rows << " cols " << cols;
         }
       }
     }
@@ -256,6 +240,7 @@ TEST(Gemm, EveryTypeAndArchAgainstOracleAndShapeInvariant) {
         const std::size_t m = cols == 2048 ? 70 : 13;  // 2048: several token chunks (gemm::kChunkBytes)
         const std::vector<float> x = randv(m * cols, rng, 2.f);
         pp::MatView mv{type, w.bytes.data(), rows, cols, pp::row_bytes(type, cols)};
+        const pp::test::Dots o = pp::test::dots(w.values, x, m, rows, cols);
         for_each_arch([&](auto a) {
           using A = decltype(a);
           std::vector<float> y(m * rows, NAN), y1(rows, NAN), ysplit(m * rows, NAN);
@@ -270,12 +255,7 @@ TEST(Gemm, EveryTypeAndArchAgainstOracleAndShapeInvariant) {
             for (std::size_t r = 0; r < rows; ++r) {
               ASSERT_EQ(std::bit_cast<uint32_t>(y1[r]), std::bit_cast<uint32_t>(y[i * rows + r]))
                   << A::name() << " row " << r << " token " << i;
-              double want = 0, mag = 0;
-              for (std::size_t j = 0; j < cols; ++j) {
-                want += double(w.values[r * cols + j]) * x[i * cols + j];
-                mag += std::abs(double(w.values[r * cols + j]) * x[i * cols + j]);
-              }
-              ASSERT_NEAR(y[i * rows + r], want, 1e-6 * mag + 1e-30)
+              ASSERT_NEAR(y[i * rows + r], o.want(i, r), 1e-6 * o.mag(i, r) + 1e-30)
                   << A::name() << " type " << int(type) << " cols " << cols << " rows " << rows;
             }
           }
@@ -298,8 +278,9 @@ TEST(GemmFastBf16, AgainstOracleOnRoundedActivationsAndShapeInvariant) {
       const Stored w = store(pp::DType::BF16, randv(rows * cols, rng));
       const std::size_t m = cols == 2048 ? 140 : 13;  // 2048: several token chunks
       const std::vector<float> x = randv(m * cols, rng, 2.f);
-      std::vector<uint16_t> xb(m * cols);
-      for (std::size_t i = 0; i < x.size(); ++i) xb[i] = pp::f32_to_bf16(x[i]);
+      std::vector<float> xr(m * cols);  // the activations rounded to bf16, as the kernel sees them
+      for (std::size_t i = 0; i < x.size(); ++i) xr[i] = pp::bf16_to_f32(pp::f32_to_bf16(x[i]));
+      const pp::test::Dots o = pp::test::dots(w.values, xr, m, rows, cols);
       pp::MatView mv{pp::DType::BF16, w.bytes.data(), rows, cols, cols * 2};
       std::vector<float> y(m * rows, NAN), y1(rows, NAN), ysplit(m * rows, NAN);
       pp::kernels::gemm::matmul_rows<pp::simd::Best>(mv, x.data(), m, y.data(), 0, rows, true);
@@ -311,12 +292,7 @@ TEST(GemmFastBf16, AgainstOracleOnRoundedActivationsAndShapeInvariant) {
         pp::kernels::gemm::matmul_rows<pp::simd::Best>(mv, x.data() + i * cols, 1, y1.data(), 0, rows, true);
         for (std::size_t r = 0; r < rows; ++r) {
           ASSERT_EQ(std::bit_cast<uint32_t>(y1[r]), std::bit_cast<uint32_t>(y[i * rows + r])) << r << " " << i;
-          double want = 0, mag = 0;
-          for (std::size_t j = 0; j < cols; ++j) {
-            const double p = double(w.values[r * cols + j]) * pp::bf16_to_f32(xb[i * cols + j]);
-            want += p, mag += std::abs(p);
-          }
-          ASSERT_NEAR(y[i * rows + r], want, 1e-6 * mag + 1e-30) << "cols " << cols << " rows " << rows;
+          ASSERT_NEAR(y[i * rows + r], o.want(i, r), 1e-6 * o.mag(i, r) + 1e-30) << "cols " << cols << " rows " << rows;
         }
       }
       // Dispatched: bulk rows with fast_float take this kernel, on any thread count.
@@ -329,5 +305,172 @@ TEST(GemmFastBf16, AgainstOracleOnRoundedActivationsAndShapeInvariant) {
       EXPECT_EQ(yd3, y);
     }
 #endif
+}
+}  // namespace
+
+namespace {
+// Attention (attention.hpp) on every compiled-in architecture: attn_scores and attn_values for 1..8 query
+// heads per KV head, head dims with and without a vector tail, key counts on and off the SIMD width.
+namespace attn = pp::kernels;
+using attn::kAttnPad;
+
+constexpr std::size_t kGroups[] = {1, 2, 3, 4, 5, 6, 7, 8};
+constexpr std::size_t kHeadDims[] = {5, 20, 64, 128};  // 5, 20: a scalar head-dimension tail on every width
+constexpr std::size_t kCounts[] = {1, 7, 16, 33, 257};
+
+// A marker the kernels never compute from finite inputs: left in place where nothing may be written.
+const float kUntouched = std::bit_cast<float>(0x7fc0dead);
+bool untouched(float x) { return std::bit_cast<uint32_t>(x) == 0x7fc0deadu; }
+
+// Keys transposed ([hd][ld]) as the KV ring stores them: `count` random keys, NaN in the lanes past them
+// (loaded whole but ignored), and nothing past what attn_scores may read (kt[d * ld + j], j < count + kAttnPad - 1).
+struct Keys {
+  std::size_t hd, count, ld;
+  std::vector<float> kt;
+  Keys(std::size_t hd_, std::size_t count_, std::mt19937& rng)
+      : hd(hd_), count(count_), ld(count_ + kAttnPad + 3), kt((hd_ - 1) * ld + count_ + kAttnPad - 1, NAN) {
+    std::normal_distribution<float> nd;
+    for (std::size_t d = 0; d < hd; ++d)
+      for (std::size_t j = 0; j < count; ++j) kt[d * ld + j] = nd(rng);
+  }
+};
+
+// a * b + c as architecture A's FMA computes it (one rounding where A has fused FMA).
+template <class A>
+float arch_fma(float a, float b, float c) {
+  using B = pp::simd::fbatch<A>;
+  return pp::simd::fma<A>(B(a), B(b), B(c)).get(0);
+}
+
+// Scores against Eigen float64: each within gamma(2 hd + 1) (hd FMAs, two roundings each where the FMA is a
+// multiply and an add, then the scale) of the sum of |scale * q * k|; the padding contract holds: nothing
+// written past j = count + kAttnPad - 1 of a score row, nor past the last row.
+TEST(Attention, ScoresMatchFloat64OracleAndKeepToTheirPadding) {
+  std::mt19937 rng(17);
+  for (std::size_t group : kGroups)
+    for (std::size_t hd : kHeadDims)
+      for (std::size_t count : kCounts) {
+        const Keys k(hd, count, rng);
+        const std::vector<float> q = randv(group * hd, rng);
+        const float scale = 1 / std::sqrt(float(hd));
+        const std::size_t ws = count + kAttnPad + 2, guard = 64;
+        const Eigen::MatrixXd Q = f64(q, group, hd), K = f64(k.kt.data(), hd, count, k.ld);
+        const Eigen::MatrixXd want = double(scale) * Q * K, mag = std::abs(double(scale)) * Q.cwiseAbs() * K.cwiseAbs();
+        const double tol = pp::test::gamma_f32(2 * hd + 1);
+        for_each_arch([&](auto a) {
+          using A = decltype(a);
+          std::vector<float> w(group * ws + guard, kUntouched);
+          attn::attn_scores<A>(q.data(), group, hd, k.kt.data(), k.ld, count, scale, w.data(), ws);
+          for (std::size_t h = 0; h < group; ++h) {
+            for (std::size_t j = 0; j < count; ++j)
+              ASSERT_NEAR(w[h * ws + j], want(h, j), tol * mag(h, j) + 1e-30)
+                  << A::name() << " group " << group << " hd " << hd << " count " << count << " head " << h << " key " << j;
+            for (std::size_t j = count + kAttnPad - 1; j < ws; ++j)
+              ASSERT_TRUE(untouched(w[h * ws + j])) << A::name() << " wrote score " << j << " of " << count << " keys";
+          }
+          for (std::size_t i = group * ws; i < w.size(); ++i) ASSERT_TRUE(untouched(w[i])) << A::name() << " past the rows";
+        });
+      }
+}
+
+// Each score is one FMA chain over the head dimension in order, then the scale (attention.hpp): bit for bit
+// that chain on every architecture, so a key scores the same whichever lane or block it falls in; keys
+// rotated by r positions give the same scores rotated by r (key 0 moved to lane 17, etc.).
+TEST(Attention, ScoreIsOneChainWhateverTheKeysLane) {
+  std::mt19937 rng(19);
+  for (std::size_t group : {1, 3, 8})
+    for (std::size_t hd : kHeadDims)
+      for (std::size_t count : kCounts) {
+        const Keys k(hd, count, rng);
+        Keys rot = k;  // key j of rot is key (j + r) % count of k
+        const std::size_t r = 17 % count;
+        for (std::size_t d = 0; d < hd; ++d)
+          for (std::size_t j = 0; j < count; ++j) rot.kt[d * k.ld + j] = k.kt[d * k.ld + (j + r) % count];
+        const std::vector<float> q = randv(group * hd, rng);
+        const float scale = 1 / std::sqrt(float(hd));
+        const std::size_t ws = count + kAttnPad;
+        for_each_arch([&](auto a) {
+          using A = decltype(a);
+          std::vector<float> w(group * ws), wr(group * ws);
+          attn::attn_scores<A>(q.data(), group, hd, k.kt.data(), k.ld, count, scale, w.data(), ws);
+          attn::attn_scores<A>(q.data(), group, hd, rot.kt.data(), k.ld, count, scale, wr.data(), ws);
+          for (std::size_t h = 0; h < group; ++h)
+            for (std::size_t j = 0; j < count; ++j) {
+              float acc = 0.f;
+              for (std::size_t d = 0; d < hd; ++d) acc = arch_fma<A>(q[h * hd + d], k.kt[d * k.ld + j], acc);
+              ASSERT_EQ(std::bit_cast<uint32_t>(w[h * ws + j]), std::bit_cast<uint32_t>(acc * scale))
+                  << A::name() << " hd " << hd << " count " << count << " head " << h << " key " << j;
+              ASSERT_EQ(std::bit_cast<uint32_t>(wr[h * ws + j]), std::bit_cast<uint32_t>(w[h * ws + (j + r) % count]))
+                  << A::name() << " key " << (j + r) % count << " in lane " << j;
+            }
+        });
+      }
+}
+
+// Values by rows ([count][vs], vs > hd as in the KV ring), scores rows `ws` apart, onto random outputs.
+struct ValuesCase {
+  std::size_t group, hd, count, ws, vs;
+  std::vector<float> w, v, out0;
+  ValuesCase(std::size_t group_, std::size_t hd_, std::size_t count_, std::mt19937& rng)
+      : group(group_), hd(hd_), count(count_), ws(count_ + kAttnPad), vs(hd_ + 3),
+        w(randv(group_ * ws, rng)), v(randv((count_ - 1) * vs + hd_, rng)), out0(randv(group_ * hd_, rng)) {}
+};
+
+// Weighted sums against Eigen float64: out0 + W V, each element within gamma(2 count) (count FMAs, two
+// roundings each at most) of |out0| + the sum of |w v|; nothing written past group * hd outputs.
+TEST(Attention, ValuesMatchFloat64OracleAndStayInTheirOutputs) {
+  std::mt19937 rng(23);
+  for (std::size_t group : kGroups)
+    for (std::size_t hd : kHeadDims)
+      for (std::size_t count : kCounts) {
+        const ValuesCase c(group, hd, count, rng);
+        const Eigen::MatrixXd W = f64(c.w.data(), group, count, c.ws), V = f64(c.v.data(), count, hd, c.vs),
+                              O = f64(c.out0, group, hd);
+        const Eigen::MatrixXd want = O + W * V, mag = O.cwiseAbs() + W.cwiseAbs() * V.cwiseAbs();
+        const double tol = pp::test::gamma_f32(2 * count);
+        for_each_arch([&](auto a) {
+          using A = decltype(a);
+          std::vector<float> out(c.out0);
+          out.resize(group * hd + 64, kUntouched);
+          attn::attn_values<A>(c.w.data(), c.ws, group, hd, c.v.data(), c.vs, count, out.data());
+          for (std::size_t h = 0; h < group; ++h)
+            for (std::size_t d = 0; d < hd; ++d)
+              ASSERT_NEAR(out[h * hd + d], want(h, d), tol * mag(h, d) + 1e-30)
+                  << A::name() << " group " << group << " hd " << hd << " count " << count << " head " << h << " dim " << d;
+          for (std::size_t i = group * hd; i < out.size(); ++i) ASSERT_TRUE(untouched(out[i])) << A::name();
+        });
+      }
+}
+
+// Each output element is one FMA chain over the keys in order, continued across calls (attention.hpp): bit
+// for bit that chain on every architecture (the head-dimension tail past the last whole vector is std::fma),
+// and the same whether the keys come in one call or split in two at any key.
+TEST(Attention, ValueIsOneChainAcrossKeyRanges) {
+  std::mt19937 rng(29);
+  for (std::size_t group : {1, 3, 8})
+    for (std::size_t hd : kHeadDims)
+      for (std::size_t count : kCounts) {
+        const ValuesCase c(group, hd, count, rng);
+        for_each_arch([&](auto a) {
+          using A = decltype(a);
+          const std::size_t hdv = hd / pp::simd::fbatch<A>::size * pp::simd::fbatch<A>::size;
+          std::vector<float> out(c.out0), split(c.out0);
+          attn::attn_values<A>(c.w.data(), c.ws, group, hd, c.v.data(), c.vs, count, out.data());
+          const std::size_t cut = count / 3;
+          attn::attn_values<A>(c.w.data(), c.ws, group, hd, c.v.data(), c.vs, cut, split.data());
+          attn::attn_values<A>(c.w.data() + cut, c.ws, group, hd, c.v.data() + cut * c.vs, c.vs, count - cut, split.data());
+          for (std::size_t h = 0; h < group; ++h)
+            for (std::size_t d = 0; d < hd; ++d) {
+              float acc = c.out0[h * hd + d];
+              for (std::size_t j = 0; j < count; ++j) {
+                const float p = c.w[h * c.ws + j], x = c.v[j * c.vs + d];
+                acc = d < hdv ? arch_fma<A>(p, x, acc) : std::fma(p, x, acc);
+              }
+              ASSERT_EQ(std::bit_cast<uint32_t>(out[h * hd + d]), std::bit_cast<uint32_t>(acc))
+                  << A::name() << " hd " << hd << " count " << count << " head " << h << " dim " << d;
+              ASSERT_EQ(std::bit_cast<uint32_t>(split[h * hd + d]), std::bit_cast<uint32_t>(acc)) << A::name() << " cut " << cut;
+            }
+        });
+      }
 }
 }  // namespace

@@ -1,6 +1,8 @@
 // Model argument resolution against a fake Ollama store in a temp dir: one test per outcome.
 #include <pp/io/ollama.hpp>
 
+#include "../common/fake_store.hpp"
+
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -12,77 +14,44 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr const char* kHex = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+constexpr const char* kHex = pp::test::kFakeHex;
+using pp::test::FakeStore;  // tests/common/fake_store.hpp: an empty store per test
 
-// A store root with manifests/ and blobs/, removed afterwards.
-class FakeStore : public ::testing::Test {
- protected:
-  void SetUp() override {
-    char tmpl[] = "/tmp/pp_ollama_XXXXXX";
-    ASSERT_NE(::mkdtemp(tmpl), nullptr);
-    root_ = tmpl;
-    fs::create_directories(root_ / "blobs");
-  }
-  void TearDown() override { fs::remove_all(root_); }
+const std::string kGguf = std::string("GGUF\x03\0\0\0", 8) + std::string(56, '\0');
 
-  static void write(const fs::path& p, const std::string& bytes) {
-    fs::create_directories(p.parent_path());
-    std::ofstream(p, std::ios::binary) << bytes;
+// The message of the ModelResolveError that resolving `arg` against `roots` throws ("" if none).
+std::string error_of(const std::string& arg, const std::vector<std::string>& roots) {
+  try {
+    pp::resolve_model(arg, roots);
+  } catch (const pp::ModelResolveError& e) {
+    return e.what();
   }
-  fs::path manifest_path(const std::string& name, const std::string& tag) const {
-    return root_ / "manifests/registry.ollama.ai/library" / name / tag;
-  }
-  static std::string manifest(const std::string& digest, uint64_t size,
-                              const std::string& media = "application/vnd.ollama.image.model") {
-    return R"({"schemaVersion":2,"config":{"mediaType":"application/vnd.docker.container.image.v1+json",)"
-           R"("digest":"sha256:aaaa","size":10},"layers":[{"mediaType":"application/vnd.ollama.image.template",)"
-           R"("digest":"sha256:bbbb","size":5},{"mediaType":")" +
-           media + R"(","digest":")" + digest + R"(","size":)" + std::to_string(size) + "}]}";
-  }
-  // A good store entry for name:tag whose blob holds `blob`.
-  void add_model(const std::string& name, const std::string& tag, const std::string& blob) {
-    write(manifest_path(name, tag), manifest(std::string("sha256:") + kHex, blob.size()));
-    write(root_ / "blobs" / (std::string("sha256-") + kHex), blob);
-  }
-  std::vector<std::string> roots() const { return {root_.string()}; }
-
-  // The message of the ModelResolveError that resolving `arg` throws ("" if none).
-  std::string error_of(const std::string& arg) const {
-    try {
-      pp::resolve_model(arg, roots());
-    } catch (const pp::ModelResolveError& e) {
-      return e.what();
-    }
-    return "";
-  }
-
-  fs::path root_;
-  const std::string gguf_ = std::string("GGUF\x03\0\0\0", 8) + std::string(56, '\0');
-};
+  return "";
+}
 
 TEST_F(FakeStore, GoodTagResolvesToTheBlob) {
-  add_model("llama3.2", "1b", gguf_);
+  add_model("llama3.2", "1b", kGguf);
   const pp::ResolvedModel m = pp::resolve_model("llama3.2:1b", roots());
   EXPECT_EQ(m.path, (root_ / "blobs" / (std::string("sha256-") + kHex)).string());
   EXPECT_EQ(m.how, "ollama");
-  EXPECT_EQ(m.size, gguf_.size());
+  EXPECT_EQ(m.size, kGguf.size());
   EXPECT_EQ(m.manifest, manifest_path("llama3.2", "1b").string());
 }
 
 TEST_F(FakeStore, NoTagMeansLatest) {
-  add_model("llama3.2", "latest", gguf_);
+  add_model("llama3.2", "latest", kGguf);
   EXPECT_EQ(pp::resolve_model("llama3.2", roots()).how, "ollama");
 }
 
 TEST_F(FakeStore, LaterRootIsSearchedWhenTheFirstLacksTheManifest) {
-  add_model("llama3.2", "1b", gguf_);
+  add_model("llama3.2", "1b", kGguf);
   const pp::ResolvedModel m = pp::resolve_model("llama3.2:1b", {(root_ / "nothing").string(), root_.string()});
   EXPECT_EQ(m.how, "ollama");
 }
 
 TEST_F(FakeStore, MissingTagListsThePathsTried) {
-  add_model("llama3.2", "1b", gguf_);
-  const std::string e = error_of("llama3.2:3b");
+  add_model("llama3.2", "1b", kGguf);
+  const std::string e = error_of("llama3.2:3b", roots());
   EXPECT_NE(e.find(manifest_path("llama3.2", "3b").string()), std::string::npos) << e;
   EXPECT_NE(e.find("tried"), std::string::npos) << e;
 }
@@ -92,67 +61,67 @@ TEST_F(FakeStore, BadDigestFormatIsRefused) {
                                    std::string("sha256:") + std::string(63, 'a') + "G",          // not hex
                                    std::string("sha256:") + std::string(64, 'A'),                // uppercase
                                    std::string("md5:") + kHex, std::string(kHex)}) {            // wrong scheme
-    write(manifest_path("m", "t"), manifest(digest, gguf_.size()));
-    const std::string e = error_of("m:t");
+    write(manifest_path("m", "t"), manifest(digest, kGguf.size()));
+    const std::string e = error_of("m:t", roots());
     EXPECT_NE(e.find("digest"), std::string::npos) << digest << ": " << e;
   }
 }
 
 TEST_F(FakeStore, MissingBlobIsRefused) {
-  write(manifest_path("m", "t"), manifest(std::string("sha256:") + kHex, gguf_.size()));
-  const std::string e = error_of("m:t");
+  write(manifest_path("m", "t"), manifest(std::string("sha256:") + kHex, kGguf.size()));
+  const std::string e = error_of("m:t", roots());
   EXPECT_NE(e.find("missing"), std::string::npos) << e;
   EXPECT_NE(e.find(std::string("sha256-") + kHex), std::string::npos) << e;
 }
 
 TEST_F(FakeStore, BlobSizeMismatchIsRefused) {
-  add_model("m", "t", gguf_);
-  write(manifest_path("m", "t"), manifest(std::string("sha256:") + kHex, gguf_.size() + 1));
-  const std::string e = error_of("m:t");
-  EXPECT_NE(e.find(std::to_string(gguf_.size()) + " bytes"), std::string::npos) << e;
+  add_model("m", "t", kGguf);
+  write(manifest_path("m", "t"), manifest(std::string("sha256:") + kHex, kGguf.size() + 1));
+  const std::string e = error_of("m:t", roots());
+  EXPECT_NE(e.find(std::to_string(kGguf.size()) + " bytes"), std::string::npos) << e;
 }
 
 TEST_F(FakeStore, NonGgufBlobIsRefused) {
   add_model("m", "t", std::string(64, 'x'));
-  const std::string e = error_of("m:t");
+  const std::string e = error_of("m:t", roots());
   EXPECT_NE(e.find("not a GGUF file"), std::string::npos) << e;
 }
 
 TEST_F(FakeStore, ManifestWithoutModelLayerIsRefused) {
-  add_model("m", "t", gguf_);
+  add_model("m", "t", kGguf);
   write(manifest_path("m", "t"),
-        manifest(std::string("sha256:") + kHex, gguf_.size(), "application/vnd.ollama.image.license"));
-  const std::string e = error_of("m:t");
+        manifest(std::string("sha256:") + kHex, kGguf.size(), "application/vnd.ollama.image.license"));
+  const std::string e = error_of("m:t", roots());
   EXPECT_NE(e.find("no layer of mediaType 'application/vnd.ollama.image.model'"), std::string::npos) << e;
 }
 
 TEST_F(FakeStore, ManifestThatIsNotJsonIsRefused) {
   write(manifest_path("m", "t"), "{not json");
-  EXPECT_NE(error_of("m:t").find("not a JSON object"), std::string::npos);
+  EXPECT_NE(error_of("m:t", roots()).find("not a JSON object"), std::string::npos);
 }
 
 TEST_F(FakeStore, TagCannotEscapeTheStore) {
-  EXPECT_NE(error_of("../../etc:passwd").find("not a valid name"), std::string::npos);
-  EXPECT_NE(error_of("a/b/c/d:t").find("at most 3"), std::string::npos);
+  EXPECT_NE(error_of("../../etc:passwd", roots()).find("not a valid name"), std::string::npos);
+  EXPECT_NE(error_of("a/b/c/d:t", roots()).find("at most 3"), std::string::npos);
 }
 
 TEST_F(FakeStore, ExistingFileIsAPath) {
   const fs::path p = root_ / "model.bin";
-  write(p, gguf_);
+  write(p, kGguf);
   const pp::ResolvedModel m = pp::resolve_model(p.string(), roots());
   EXPECT_EQ(m.how, "path");
   EXPECT_EQ(m.path, p.string());
 }
 
 TEST_F(FakeStore, MissingGgufPathIsNotTreatedAsATag) {
-  const std::string e = error_of((root_ / "absent.gguf").string());
+  const std::string e = error_of((root_ / "absent.gguf").string(), roots());
   EXPECT_NE(e.find("does not exist"), std::string::npos) << e;
 }
 
 TEST_F(FakeStore, ExistingNonGgufFileIsRefused) {
   const fs::path p = root_ / "model.gguf";
   write(p, "not a model");
-  EXPECT_NE(error_of(p.string()).find("not a GGUF file"), std::string::npos);
+  EXPECT_NE(error_of(p.string(), roots()).find("not a GGUF file"), std::string::npos);
 }
 
 TEST(OllamaRoots, EnvironmentFirstThenHomeThenService) {

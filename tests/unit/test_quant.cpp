@@ -10,6 +10,7 @@
 #include "../../tools/common/synth.hpp"
 
 #include "../common/archs.hpp"
+#include "../common/oracle.hpp"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -210,12 +211,7 @@ std::vector<float> dequant_matrix(DType t, const std::vector<uint8_t>& w, std::s
   return y;
 }
 
-std::vector<float> randv(std::size_t n, std::mt19937& rng) {
-  std::normal_distribution<float> d(0.f, 1.f);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
+using pp::test::randv;
 
 TEST(QuantDequant, SimdBlockDequantEqualsScalarOnEveryArch) {
   std::mt19937 rng(7);
@@ -326,24 +322,22 @@ std::vector<float> dequant_acts(DType t, const std::vector<uint8_t>& xq, std::si
   return y;
 }
 
-// Checks y[m, rows] against double dots of wf[rows, cols] and xf[m, cols]. The tolerance scales with the
+// Checks y[m, rows] against float64 (Eigen) dots of wf[rows, cols] and xf[m, cols]. The tolerance scales with the
 // magnitudes that meet in the sum (|w| and the row's largest |w|, which bounds the scale and min terms).
 // `extra[t * rows + r]` is added to the oracle's dot.
 void expect_dots(const std::vector<float>& y, const std::vector<float>& wf, const std::vector<float>& xf,
                  std::size_t m, std::size_t rows, std::size_t cols, const std::string& what,
                  const std::vector<double>& extra = {}) {
-  for (std::size_t r = 0; r < rows; ++r) {
-    float wmax = 0;
-    for (std::size_t j = 0; j < cols; ++j) wmax = std::max(wmax, std::abs(wf[r * cols + j]));
+  const Eigen::MatrixXd W = pp::test::f64(wf, rows, cols), X = pp::test::f64(xf, m, cols);
+  const Eigen::VectorXd wmax = W.cwiseAbs().rowwise().maxCoeff();
+  const Eigen::MatrixXd want = X * W.transpose();  // [m, rows]
+  // mag[t, r] = sum_j (|w[r, j]| + wmax[r]) |x[t, j]|
+  const Eigen::MatrixXd mag = X.cwiseAbs() * W.cwiseAbs().transpose() + X.cwiseAbs().rowwise().sum() * wmax.transpose();
+  for (std::size_t r = 0; r < rows; ++r)
     for (std::size_t t = 0; t < m; ++t) {
-      double want = extra.empty() ? 0 : extra[t * rows + r], mag = 0;
-      for (std::size_t j = 0; j < cols; ++j) {
-        want += double(wf[r * cols + j]) * xf[t * cols + j];
-        mag += (std::abs(double(wf[r * cols + j])) + wmax) * std::abs(xf[t * cols + j]);
-      }
-      ASSERT_NEAR(y[t * rows + r], want, 2e-6 * mag + 1e-30) << what << " row " << r << " token " << t;
+      const double e = extra.empty() ? 0 : extra[t * rows + r];
+      ASSERT_NEAR(y[t * rows + r], want(t, r) + e, 2e-6 * mag(t, r) + 1e-30) << what << " row " << r << " token " << t;
     }
-  }
 }
 
 // Q4_1 / Q5_1's min term uses Q8_1's s (d * sum rounded to f16, as llama.cpp) instead of d * sum:
