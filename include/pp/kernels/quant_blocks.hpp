@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 #include <cstring>
 
 
@@ -327,8 +328,11 @@ inline void dequantize_simd(const BlockQ5_1& b, float* y) {
     (xsimd::to_float((q >> 4) | fifth_bits<A>(qh, 16 + o)) * d + m).store_aligned(y + 16 + o);
   }
 }
-template <class A>
-inline void dequantize_simd(const BlockQ4_K& b, float* y) {
+// Q4_K and Q5_K: eight sub-blocks of 32 codes with 6-bit scales and mins; Q5_K adds each code's 5th
+// bit from qh (bit j of qh[o] for sub-block j).
+template <class A, class Block>
+inline void dequantize_k_simd(const Block& b, float* y) {
+  constexpr bool kFifthBit = std::is_same_v<Block, BlockQ5_K>;
   constexpr int W = int(fb<A>::size);
   const float d = h2f(b.d), dmin = h2f(b.dmin);
   for (int j = 0; j < 8; ++j) {
@@ -338,26 +342,19 @@ inline void dequantize_simd(const BlockQ4_K& b, float* y) {
     const uint8_t* q = b.qs + 32 * (j / 2);
     for (int o = 0; o < 32; o += W) {
       const ib<A> v = simd::load_u8<A>(q + o);
-      (d1 * xsimd::to_float(j % 2 ? v >> 4 : v & ib<A>(15)) - m1).store_aligned(y + 32 * j + o);
+      ib<A> code = j % 2 ? v >> 4 : v & ib<A>(15);
+      if constexpr (kFifthBit) code = code + sixteen_if<A>(simd::load_u8<A>(b.qh + o), ib<A>(1 << j));
+      (d1 * xsimd::to_float(code) - m1).store_aligned(y + 32 * j + o);
     }
   }
 }
 template <class A>
+inline void dequantize_simd(const BlockQ4_K& b, float* y) {
+  dequantize_k_simd<A>(b, y);
+}
+template <class A>
 inline void dequantize_simd(const BlockQ5_K& b, float* y) {
-  constexpr int W = int(fb<A>::size);
-  const float d = h2f(b.d), dmin = h2f(b.dmin);
-  for (int j = 0; j < 8; ++j) {
-    uint8_t sc, m;
-    scale_min_k4(j, b.scales, sc, m);
-    const fb<A> d1(d * float(sc)), m1(dmin * float(m));
-    const uint8_t* q = b.qs + 32 * (j / 2);
-    const ib<A> bit(1 << j);
-    for (int o = 0; o < 32; o += W) {
-      const ib<A> v = simd::load_u8<A>(q + o);
-      const ib<A> hi = sixteen_if<A>(simd::load_u8<A>(b.qh + o), bit);
-      (d1 * xsimd::to_float((j % 2 ? v >> 4 : v & ib<A>(15)) + hi) - m1).store_aligned(y + 32 * j + o);
-    }
-  }
+  dequantize_k_simd<A>(b, y);
 }
 template <class A>
 inline void dequantize_simd(const BlockQ6_K& b, float* y) {
