@@ -176,7 +176,11 @@ Reply post(const Pipeline& p, const std::string& path, const std::string& body) 
   auto c = p.client();
   const auto res = c->Post(path.c_str(), body, "application/json");
   if (!res) {
-    ADD_FAILURE() << "POST " << path << " failed: " << httplib::to_string(res.error());
+    // What the coordinator said is what tells a crash from a refused connection.
+    ADD_FAILURE() << "POST " << path << " failed: " << httplib::to_string(res.error())
+                  << (p.coordinator ? "\ncoordinator exited: " + std::string(p.coordinator->running() ? "no" : "yes") +
+                                          "\nstdout:\n" + p.coordinator->out() + "\nstderr:\n" + p.coordinator->err()
+                                    : std::string());
     return r;
   }
   r.status = res->status;

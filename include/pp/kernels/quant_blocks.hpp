@@ -205,17 +205,11 @@ inline void dequantize(const BlockQ5_1& b, float* y) {
     y[j + 16] = float(x1) * d + m;
   }
 }
-inline void dequantize(const BlockQ4_K& b, float* y) {
-  const float d = h2f(b.d), dmin = h2f(b.dmin);
-  for (int j = 0; j < 8; ++j) {
-    uint8_t sc, m;
-    scale_min_k4(j, b.scales, sc, m);
-    const float d1 = d * float(sc), m1 = dmin * float(m);
-    const uint8_t* q = b.qs + 32 * (j / 2);
-    for (int l = 0; l < 32; ++l) y[32 * j + l] = d1 * float(j % 2 ? q[l] >> 4 : q[l] & 15) - m1;
-  }
-}
-inline void dequantize(const BlockQ5_K& b, float* y) {
+// Q4_K and Q5_K: eight sub-blocks of 32 codes, each with a 6-bit scale and min; Q5_K's codes have a
+// 5th bit, bit j of qh[l] for element l of sub-block j.
+template <class Block>
+inline void dequantize_k(const Block& b, float* y) {
+  constexpr bool kFifthBit = std::is_same_v<Block, BlockQ5_K>;
   const float d = h2f(b.d), dmin = h2f(b.dmin);
   for (int j = 0; j < 8; ++j) {
     uint8_t sc, m;
@@ -223,11 +217,14 @@ inline void dequantize(const BlockQ5_K& b, float* y) {
     const float d1 = d * float(sc), m1 = dmin * float(m);
     const uint8_t* q = b.qs + 32 * (j / 2);
     for (int l = 0; l < 32; ++l) {
-      const int lo = j % 2 ? q[l] >> 4 : q[l] & 15;
-      y[32 * j + l] = d1 * float(lo + ((b.qh[l] >> j) & 1 ? 16 : 0)) - m1;
+      int code = j % 2 ? q[l] >> 4 : q[l] & 15;
+      if constexpr (kFifthBit) code += (b.qh[l] >> j) & 1 ? 16 : 0;
+      y[32 * j + l] = d1 * float(code) - m1;
     }
   }
 }
+inline void dequantize(const BlockQ4_K& b, float* y) { dequantize_k(b, y); }
+inline void dequantize(const BlockQ5_K& b, float* y) { dequantize_k(b, y); }
 inline void dequantize(const BlockQ6_K& b, float* y) {
   const float d = h2f(b.d);
   for (int h = 0; h < 2; ++h) {
