@@ -550,12 +550,21 @@ class HttpFront {
   }
   int port() const { return port_; }
 
-  // Listens and serves on this thread until stop(). The handler threads start here.
+  // Starts accepting connections into the kernel's queue (bound first if need be). Call it before telling
+  // anyone the address: a client that connects between bind() and listen() is refused. Idempotent.
+  void listen() {
+    if (listening_) return;
+    if (listen_fd_ < 0) bind();
+    if (::listen(listen_fd_, 511) != 0) throw Error("--http-port " + std::to_string(port_) + ": cannot listen: " + std::strerror(errno));
+    listening_ = true;
+  }
+
+  // Listens (if listen() was not called) and serves on this thread until stop(). The handler threads
+  // start here.
   void run(InlineRoute inline_route, Handler handler) {
     inline_ = std::move(inline_route);
     handler_ = std::move(handler);
-    if (listen_fd_ < 0) bind();
-    if (::listen(listen_fd_, 511) != 0) throw Error("--http-port " + std::to_string(port_) + ": cannot listen: " + std::strerror(errno));
+    listen();
     raise_fd_limit();
     epoll_fd_ = ::epoll_create1(EPOLL_CLOEXEC);
     wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -1060,6 +1069,7 @@ class HttpFront {
   }
 
   Options o_;
+  bool listening_ = false;
   int listen_fd_ = -1, epoll_fd_ = -1, wake_fd_ = -1;
   int port_ = 0;
   InlineRoute inline_;

@@ -219,6 +219,7 @@ inline int run_serve(const ModelRunOptions& run, const ServeOptions& so, const s
   ho.model_id = so.model_id;
   ho.authenticate = so.authenticate;
   HttpServer http(engine, api, ho, *front);
+  front->listen();  // before the line below: a client that reads it may connect at once
   const int port = front->port();
   std::cout << "serving '" << so.model_id << "' on http://" << so.http_host << ":" << port
             << "  (POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics; --parallel "
