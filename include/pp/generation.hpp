@@ -2,7 +2,7 @@
 // rule, until a stop condition.
 //
 //   auto model = pp::Model::open("model.gguf");
-//   pp::LocalPipeline pipe(model, {8});                      // or pp::FullModel whole(model)
+//   pp::LocalPipeline pipe(model, {8});                      // {} : the whole model in one stage
 //   pp::Generation gen(pipe, {.sampling = sp, .max_tokens = 64, .stop_at_eog = model->tokenizer()});
 //   gen.prefill(prompt);
 //   while (auto t = gen.step()) use(*t);
@@ -12,49 +12,19 @@
 // the distributed paths are checked against (pp_generate, the worker's generate_full, the tests).
 #pragma once
 
-#include <pp/core/buffer.hpp>
 #include <pp/core/error.hpp>
 #include <pp/local_pipeline.hpp>
-#include <pp/stage.hpp>
 #include <pp/text/sampler.hpp>
 #include <pp/text/tokenizer.hpp>
 
 #include <cstddef>
 #include <cstdint>
-#include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
 namespace pp {
-
-// Every block of a model in one stage, with its own sequence: what a Generation runs when there are no
-// cuts. LocalPipeline offers the same run() with cuts and wire rounding.
-class FullModel {
- public:
-  explicit FullModel(std::shared_ptr<const Model> model, StageOptions opt = {})
-      : stage_(Stage::open_full(std::move(model), opt)), seq_(stage_->new_sequence()) {}
-
-  const Config& config() const { return stage_->config(); }
-  const Stage& stage() const { return *stage_; }
-  std::size_t ctx() const { return stage_->ctx(); }
-
-  // Runs tokens at positions pos..; logits[n_out, n_vocab] of the last n_out rows (as LocalPipeline::run).
-  void run(std::span<const int32_t> tokens, int64_t pos, float* logits, std::size_t n_out = 1) {
-    const std::size_t n = tokens.size(), d = config().n_embd;
-    if (n_out > n) n_out = n;
-    if (rows_.size() < n * d) rows_ = Buffer<float>(n * d);
-    stage_->embed(tokens, rows_.data());
-    stage_->forward(seq_, pos, rows_.data(), n);
-    stage_->head(seq_, rows_.data() + (n - n_out) * d, n_out, logits);
-  }
-
- private:
-  std::unique_ptr<Stage> stage_;
-  Sequence seq_;
-  Buffer<float> rows_;
-};
 
 // Why a generation ended.
 enum class StopReason { none, length, eog };
@@ -66,11 +36,10 @@ struct GenerationOptions {
   const Tokenizer* stop_at_eog = nullptr;
 };
 
-// R: FullModel, LocalPipeline, or anything with config() and run(tokens, pos, logits, n_out).
-template <class R>
+// Over a LocalPipeline: no cuts for the whole model in one stage, or cuts with the wire's rounding.
 class Generation {
  public:
-  Generation(R& runner, GenerationOptions opt) : r_(runner), opt_(opt), logits_(runner.config().n_vocab) {
+  Generation(LocalPipeline& runner, GenerationOptions opt) : r_(runner), opt_(opt), logits_(runner.config().n_vocab) {
     opt_.sampling.validate();
   }
 
@@ -121,7 +90,7 @@ class Generation {
   bool done() const { return reason_ != StopReason::none; }
 
  private:
-  R& r_;
+  LocalPipeline& r_;
   GenerationOptions opt_;
   Sampler sampler_;
   std::vector<float> logits_;

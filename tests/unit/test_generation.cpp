@@ -42,7 +42,7 @@ std::vector<int32_t> by_hand(const std::string& path, std::size_t n, const pp::S
 TEST(Generation, GreedyMatchesTheLoopByHandOnTheWholeModel) {
   std::vector<float> expect_logits;
   const auto expect = by_hand(tiny(), 12, {}, &expect_logits);
-  pp::FullModel whole(pp::Model::open(tiny()), {.threads = 1});
+  pp::LocalPipeline whole(pp::Model::open(tiny()), {}, pp::WireDType::F32, {.threads = 1});
   pp::Generation gen(whole, {.max_tokens = 12});
   gen.prefill(kPrompt);
   std::vector<float> got_logits;
@@ -70,7 +70,7 @@ TEST(Generation, SampledTokensFollowTheSeedAndPositionRuleAcrossRunners) {
 }
 
 TEST(Generation, PromptLogitsCoverEveryRowAndTheLastIsTheFirstDraw) {
-  pp::FullModel whole(pp::Model::open(tiny()), {.threads = 1});
+  pp::LocalPipeline whole(pp::Model::open(tiny()), {}, pp::WireDType::F32, {.threads = 1});
   pp::Generation gen(whole, {.max_tokens = 1});
   std::vector<float> rows;
   gen.prefill(kPrompt, &rows);
@@ -83,7 +83,7 @@ TEST(Generation, PromptLogitsCoverEveryRowAndTheLastIsTheFirstDraw) {
 }
 
 TEST(Generation, MisuseIsARequestErrorNotACrash) {
-  pp::FullModel whole(pp::Model::open(tiny()), {.threads = 1});
+  pp::LocalPipeline whole(pp::Model::open(tiny()), {}, pp::WireDType::F32, {.threads = 1});
   pp::Generation gen(whole, {.max_tokens = 0});
   EXPECT_THROW(gen.step(), pp::RequestError);  // before prefill
   EXPECT_THROW(gen.prefill({}), pp::RequestError);
@@ -103,6 +103,7 @@ TEST(Model, OneOpenSharedByStagesAndItsTokenizerBuiltOnce) {
   EXPECT_EQ(&a.gguf(), &b.gguf());  // one parsed header, not one per stage
   EXPECT_EQ(model->default_ctx(), std::min<std::size_t>(4096, model->config().ctx_len));
   EXPECT_EQ(model->tokenizer(), model->tokenizer());
+  EXPECT_EQ(model->tokenizer() == nullptr, !model->tokenizer_error().empty()) << model->tokenizer_error();
   EXPECT_THROW(pp::Model::open(tiny() + ".missing"), pp::Error);
 }
 

@@ -151,7 +151,7 @@ class RealBackend final : public Backend {
       try {
         StageOptions opt = opt_;
         opt.prefetch = true;
-        full_ = std::make_unique<FullModel>(model_, opt);
+        full_ = std::make_unique<LocalPipeline>(model_, std::vector<int>{}, WireDType::F32, opt);
       } catch (const std::bad_alloc&) {
         throw RequestError("out of memory opening the whole model with ctx " +
                            std::to_string(stage_->ctx()));
@@ -173,7 +173,7 @@ class RealBackend final : public Backend {
   std::unique_ptr<Stage> stage_;     // owns the mapping the tokenizer's views point into
   const Tokenizer* tok_ = nullptr;  // model_'s, if it has one
   std::unique_ptr<Sequence> seq_;    // the protocol's one sequence: this stage's KV cache
-  std::unique_ptr<FullModel> full_;  // generate_full's whole model (sharing model_), opened on first use
+  std::unique_ptr<LocalPipeline> full_;  // generate_full's whole model (sharing model_), opened on first use
   Sampler sampler_;
   std::vector<float> logits_;        // [vocab_size] the last row's logits
   Geometry geo_;
