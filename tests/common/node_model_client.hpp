@@ -142,6 +142,7 @@ inline pp::net::Hello hello_for(const std::string& model, uint16_t port, int lo,
   h.from = from;
   h.stage = 1;
   h.chain.push_back(pp::net::Hop{pp::LayerRange{lo, hi}, pp::net::Peer{"127.0.0.1", port}});
+  h.mux = true;  // a worker serves only multiplexed connections
   return h;
 }
 

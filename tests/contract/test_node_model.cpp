@@ -368,8 +368,8 @@ TEST(ModelNode, TextPromptStreamsAndReportsRates) {
   EXPECT_NE(r.out.find("  prompt: "), std::string::npos) << r.out;
   EXPECT_TRUE(std::regex_search(r.out, std::regex("  prefill: \\d+ tokens in [0-9.]+ ms = [0-9.]+ tokens/s\n"))) << r.out;
   EXPECT_TRUE(std::regex_search(r.out, std::regex("  decode: \\d+ tokens in [0-9.]+ ms = [0-9.]+ tokens/s"))) << r.out;
-  // Decoding: FWD 48 + 64 x 4 down, RES 48 + 4 (+ 32 per digest) up.
-  EXPECT_NE(r.out.find("  wire: 388 bytes/token per hop while decoding"), std::string::npos) << r.out;
+  // Decoding: BATCH 48 + 4 + 24 + 64 x 4 down, BRES 48 + 4 + 32 (a digest per token: --dump-digests) up.
+  EXPECT_NE(r.out.find("  wire: 416 bytes/token per hop while decoding"), std::string::npos) << r.out;
   const auto tokens = tokens_line(r.out);
   ASSERT_FALSE(tokens.empty());
   // One 'position token digest' line per generated token.
@@ -414,7 +414,7 @@ TEST(ModelNode, SessionCountDropsWhenASessionEnds) {
   EXPECT_TRUE(wait_sessions(w->port, 1, 3s));
   b->reset();  // an abrupt end frees the session too
   EXPECT_TRUE(wait_sessions(w->port, 0, 3s));
-  EXPECT_TRUE(w->proc->wait_stderr("ended after 0 FWD (0 active)", 3s)) << w->proc->err();
+  EXPECT_TRUE(w->proc->wait_stderr("ended (0 active)", 3s)) << w->proc->err();
 }
 
 TEST(ModelNode, StopsAtEndOfGeneration) {
@@ -801,11 +801,25 @@ TEST(FaultModel, DifferentProfileAndWrongDigestsAreReported) {
     if (!fake_read_v2(fd, m, p)) return;
     m.type = pp::net::kTypeWelcome;
     pp::net::Welcome w;
+    w.mux = true;
     w.stages.push_back({1, {2, 4}, {"sse4_2", 1}, 2048, 0, "fake"});
     fake_send_v2(fd, m, pp::net::encode_welcome(w));
     while (fake_read_v2(fd, m, p)) {
-      m.type = pp::net::kTypeRes;
-      fake_send_v2(fd, m, std::string(4 + 32, '\0'));  // token 0, an all-zero digest
+      if (m.type == pp::net::kTypeOpen) {
+        fake_send_v2(fd, m, "");  // the session is open
+      } else if (m.type == pp::net::kTypeBatch) {
+        const uint32_t n = pp::net::detail::get_be32(p.data());
+        std::string res;
+        for (uint32_t i = 0; i < n; ++i) {
+          const auto e = pp::net::decode_batch_entry(
+              std::span<const uint8_t, pp::net::kBatchEntryBytes>(p.data() + 4 + i * pp::net::kBatchEntryBytes, pp::net::kBatchEntryBytes));
+          res += std::string(4, '\0');                                              // token 0
+          if (e.flags & pp::net::kEntryDigest) res += std::string(32, '\0');        // an all-zero digest
+        }
+        m.type = pp::net::kTypeBatchRes;
+        m.rows = n;
+        fake_send_v2(fd, m, res);
+      }
     }
   });
   const auto r = run(node_argv({"--coordinator", peer.addr(), "--model", golden("f32"), "--prompt-ids", "1,2", "--tokens",

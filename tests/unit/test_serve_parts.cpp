@@ -16,14 +16,14 @@
 #include "node/http_server.hpp"
 #include "node/cut_plan.hpp"
 #include "node/openai_api.hpp"
-#include "node/stop_strings.hpp"
+#include "pp/text/stop_strings.hpp"
 #include "pp/io/gguf.hpp"
 #include "pp/io/mmap.hpp"
 #include "pp/net/mux_frame.hpp"
 
 namespace {
 
-using pp::node::StopMatcher;
+using pp::StopMatcher;
 
 std::string run(StopMatcher m, const std::vector<std::string>& pieces) {
   std::string out;

@@ -9,9 +9,14 @@
 #include <vector>
 
 #include "node/chat_template.hpp"
-#include "node/serve_engine.hpp"
+#include "pp/net/coordinator/scheduler.hpp"
 
 namespace pp::node {
+
+using net::Conversation;
+using net::Finish;
+using net::GenParams;
+using net::GenStream;
 
 struct ChatOptions {
   std::string system;           // optional system message
@@ -42,7 +47,7 @@ inline std::vector<int32_t> chat_turn_ids(const Tokenizer& tok, const ChatTempla
 
 // Reads lines from `in` until EOF, an empty line or *stop; returns the exit status. The conversation's
 // session stays open between turns, so each turn feeds only its new tokens.
-inline int run_chat(ServeEngine& engine, const ChatTemplate& tmpl, const ChatOptions& o, std::istream& in,
+inline int run_chat(net::Coordinator& engine, const ChatTemplate& tmpl, const ChatOptions& o, std::istream& in,
                     std::ostream& out, const std::atomic<bool>* stop) {
   const Tokenizer& tok = *engine.tokenizer();
   out << "chat: " << tmpl.description << "\n"

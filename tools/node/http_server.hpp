@@ -39,11 +39,16 @@
 
 #include "node/http_front.hpp"
 #include "node/openai_api.hpp"
-#include "node/serve_engine.hpp"
+#include "pp/net/coordinator/scheduler.hpp"
 #include "node/worker_status.hpp"
 #include "pp/net/socket.hpp"
 
 namespace pp::node {
+
+using net::Conversation;
+using net::Finish;
+using net::GenParams;
+using net::GenStream;
 
 struct HttpOptions {
   std::string host = "127.0.0.1";
@@ -141,7 +146,7 @@ inline std::optional<HttpResponse> simple_response(const HttpRequest& q, const R
 class HttpServer {
  public:
   // `front` is bound already (serve.hpp binds it before the pipeline loads).
-  HttpServer(ServeEngine& engine, ApiContext api, HttpOptions o, HttpFront& front)
+  HttpServer(net::Coordinator& engine, ApiContext api, HttpOptions o, HttpFront& front)
       : engine_(engine), api_(std::move(api)), o_(std::move(o)), front_(front) {}
   ~HttpServer() {
     {
@@ -223,7 +228,7 @@ class HttpServer {
   // worker answering STATUS; or the link is down but a probe made since found every worker answering (the
   // next request reconnects). Else 503 with the reason.
   HttpResponse health() {
-    const EngineMetrics m = engine_.metrics();
+    const net::CoordinatorMetrics m = engine_.metrics();
     std::optional<Probe> p;
     {
       std::lock_guard lock(probe_mu_);
@@ -255,7 +260,7 @@ class HttpServer {
       lock.unlock();
       Probe p;
       p.started = Clock::now();
-      const EngineMetrics m = engine_.metrics();
+      const net::CoordinatorMetrics m = engine_.metrics();
       p.epoch = m.link_epoch;
       p.link_up = m.link_up;
       std::vector<std::future<std::string>> asks;
@@ -394,7 +399,7 @@ class HttpServer {
 
   // Prometheus text: the coordinator's counters, and each worker's from its STATUS (queried now).
   std::string metrics_text() {
-    const EngineMetrics m = engine_.metrics();
+    const net::CoordinatorMetrics m = engine_.metrics();
     const auto& hops = engine_.hops();
     std::vector<std::future<std::optional<StatusMap>>> asks;
     for (const net::Hop& h : hops)
@@ -494,7 +499,7 @@ class HttpServer {
     return s;
   }
 
-  ServeEngine& engine_;
+  net::Coordinator& engine_;
   ApiContext api_;
   HttpOptions o_;
   HttpFront& front_;

@@ -24,10 +24,15 @@
 #include <nlohmann/json.hpp>
 
 #include "node/chat_template.hpp"
-#include "node/serve_engine.hpp"
+#include "pp/net/coordinator/scheduler.hpp"
 #include "pp/text/tokenizer.hpp"
 
 namespace pp::node {
+
+using net::Conversation;
+using net::Finish;
+using net::GenParams;
+using net::GenStream;
 
 using json = nlohmann::json;
 

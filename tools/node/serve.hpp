@@ -18,9 +18,9 @@
 #include "node/chat_template.hpp"
 #include "node/cut_plan.hpp"
 #include "node/http_server.hpp"
-#include "node/model_coordinator.hpp"
+#include "node/prompt_run.hpp"
 #include "node/openai_api.hpp"
-#include "node/serve_engine.hpp"
+#include "pp/net/coordinator/scheduler.hpp"
 #include "node/worker_status.hpp"
 #include "pp/net/probe.hpp"
 
@@ -66,7 +66,7 @@ inline std::vector<int> auto_cuts(const ModelRunOptions& run, int n_layer, uint3
 // While the workers load their layers: one line, redrawn, saying which stages are ready.
 class LoadProgress {
  public:
-  LoadProgress(const ServeEngine& e, std::ostream& out, Authenticate auth)
+  LoadProgress(const net::Coordinator& e, std::ostream& out, Authenticate auth)
       : e_(e), out_(out), auth_(std::move(auth)), tty_(::isatty(STDOUT_FILENO) == 1) {
     thread_ = std::thread([this] { run(); });
   }
@@ -78,7 +78,7 @@ class LoadProgress {
 
  private:
   void run() {
-    const auto t0 = SteadyClock::now();
+    const auto t0 = std::chrono::steady_clock::now();
     std::string last;
     while (!done_.load()) {
       std::string line = "loading: stage 0 " + range(e_.stage_range()) + (stage0_.load() ? " ready" : " loading");
@@ -94,7 +94,7 @@ class LoadProgress {
         }
         line += " | stage " + std::to_string(i + 1) + " " + range(h.range) + " " + state;
       }
-      const std::string elapsed = seconds(std::chrono::duration<double>(SteadyClock::now() - t0).count());
+      const std::string elapsed = seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       if (tty_) {
         out_ << "\r" << line << "  " << elapsed << "   " << std::flush;
       } else if (line != last) {
@@ -107,7 +107,7 @@ class LoadProgress {
   }
   static std::string range(LayerRange r) { return "[" + std::to_string(r.lo) + ", " + std::to_string(r.hi) + ")"; }
 
-  const ServeEngine& e_;
+  const net::Coordinator& e_;
   std::ostream& out_;
   Authenticate auth_;
   bool tty_;
@@ -115,7 +115,7 @@ class LoadProgress {
   std::thread thread_;
 };
 
-inline void print_stages(const ServeEngine& e) {
+inline void print_stages(const net::Coordinator& e) {
   const net::NumericProfile mine = net::local_profile(e.stage());
   std::cout << "pipeline: model '" << e.identity().file << "' (" << e.config().n_layer << " layers, hidden "
             << e.config().n_embd << ", vocab " << e.config().n_vocab << "), ctx " << e.ctx() << ", " << e.n_stages()
@@ -148,8 +148,7 @@ inline int run_serve(const ModelRunOptions& run, const ServeOptions& so, const s
   const std::shared_ptr<const Model> model = Model::open(run.path);
   const int n_layer = int(model->config().n_layer);
   const uint32_t model_ctx = uint32_t(model->default_ctx());
-  ServeConfig cfg;
-  cfg.path = run.path;
+  net::CoordinatorConfig cfg;
   cfg.model = model;
   cfg.workers = run.workers;
   cfg.ctx = run.ctx;
@@ -162,7 +161,9 @@ inline int run_serve(const ModelRunOptions& run, const ServeOptions& so, const s
   cfg.load_wait = run.load_wait;
   cfg.parallel = so.parallel;
   cfg.authenticate = so.authenticate;
-  ServeEngine engine(cfg);
+  cfg.resume = run.resume;
+  cfg.log = [](const std::string& line) { std::cerr << "pp_node coordinator: " << line << std::endl; };
+  net::Coordinator engine(cfg);
 
   // The workers load their layers (the handshake) while this process loads its own.
   {
@@ -189,12 +190,12 @@ inline int run_serve(const ModelRunOptions& run, const ServeOptions& so, const s
 
   ApiContext api;
   api.tok = engine.tokenizer();
-  api.tok_error = engine.tokenizer_error();
+  api.tok_error = engine.model().tokenizer_error();
   api.ctx = engine.ctx();
   api.n_vocab = engine.config().n_vocab;
   {
     std::optional<std::string_view> tmpl;
-    if (const gguf::Value* v = engine.gguf().find("tokenizer.chat_template"); v && v->type == gguf::ValueType::STRING)
+    if (const gguf::Value* v = engine.model().gguf().find("tokenizer.chat_template"); v && v->type == gguf::ValueType::STRING)
       tmpl = v->str;
     bool headers = false;
     if (api.tok) {

@@ -34,6 +34,16 @@ inline constexpr uint8_t kFlagDigest = 1;  // SHA-256 of the sampled position's 
 inline constexpr uint8_t kFlagLogits = 2;  // the f32 logits themselves ([n_vocab] little-endian)
 inline constexpr uint8_t kKnownFlags = kFlagDigest | kFlagLogits;
 
+// ERR flags: kErrPermanent says another attempt cannot succeed (the peer refuses this model, key or
+// chain), as opposed to a peer that is down, busy or still loading. A coordinator stops resuming on it.
+inline constexpr uint8_t kErrPermanent = 1;
+
+// An ERR with kErrPermanent, or a refusal this end knows to be final: retrying will not help.
+class RefusedError : public Error {
+ public:
+  using Error::Error;
+};
+
 // Handshake texts and STATUS replies are small; anything larger is refused before it is read.
 inline constexpr uint32_t kMaxTextPayload = 64u << 10;
 

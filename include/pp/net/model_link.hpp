@@ -45,9 +45,11 @@ inline void send_model(Channel& ch, ModelHeader h, std::span<const uint8_t> payl
   ch.send_encoded(head, payload);
 }
 
-inline void send_model_err(Channel& ch, const ModelHeader& about, std::string_view message) {
+// `permanent`: the refusal is final (kErrPermanent), e.g. another model file or a wrong chain.
+inline void send_model_err(Channel& ch, const ModelHeader& about, std::string_view message, bool permanent = false) {
   ModelHeader h = about;
   h.type = kTypeErr;
+  h.flags = permanent ? kErrPermanent : 0;
   const std::string_view text = message.substr(0, kMaxErrMessageBytes);
   send_model(ch, h, std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
 }
@@ -116,6 +118,15 @@ inline StepReply decode_res(std::span<const uint8_t> p, uint8_t flags, uint32_t 
 }
 
 // ---- the link to the next hop ----
+
+// How long an upstream end waits for a reply that `hops_below` workers must compute: the hop nearest
+// a stalled peer times out first and its ERR, which names that peer, arrives before anyone else's
+// timeout fires.
+inline constexpr Millis kHopSlack{1000};
+inline Millis reply_wait(Millis timeout, std::size_t hops_below) {
+  if (timeout == kNoTimeout) return timeout;
+  return timeout + kHopSlack * static_cast<int64_t>(hops_below > 0 ? hops_below - 1 : 0);
+}
 
 inline std::string hop_name(const Hop& hop, uint32_t stage) {
   return "worker " + hop.peer.str() + " (stage " + std::to_string(stage) + ", layers [" +
@@ -218,7 +229,7 @@ class ModelLink {
     received_ += kFrameHeaderBytes;
     if (h->version == kVersionPlaceholder && h->type == kTypeErr) {
       const std::string text = read_text(ch_, h->payload_bytes, "ERR");
-      throw HandshakeError(who_ + " speaks version 1 (a placeholder worker, started without --model): " + text);
+      throw RefusedError(who_ + " speaks version 1 (a placeholder worker, started without --model): " + text);
     }
     if (h->version != kVersionModel)
       throw FrameError(who_ + ": answered with version " + std::to_string(h->version) + " (expected " +
@@ -227,6 +238,7 @@ class ModelLink {
     received_ += kModelExtBytes;
     if (m.type == kTypeErr) {
       const std::string text = read_text(ch_, m.payload_bytes, "ERR");
+      if (m.flags & kErrPermanent) throw RefusedError(who_ + " reports: " + text);
       throw Error(who_ + " reports: " + text);
     }
     return m;

@@ -1,12 +1,11 @@
-// The version-2 worker: one session per connection, a Stage for the range the handshake assigns, a hop to the next worker.
+// The version-2 worker: a Stage for the range each connection's handshake assigns, a hop to the next worker, and the connection's sessions.
 //
-// A worker starts without a layer range. Each coordinator connection opens a session with HELLO,
-// which assigns the range, the KV capacity, the sampling parameters and the rest of the chain; the
-// worker connects to its next hop (if any) and passes the rest of the chain on, loads (or reuses) a
-// Stage for its range, and answers WELCOME with every stage's profile. Then each FWD runs the range
-// on a Sequence of its own (its own KV cache) and either goes down the chain or, on the last stage,
-// is sampled; the reply comes back up the same connections. Ending the connection ends the session
-// and frees its cache; downstream sessions end with it.
+// A worker starts without a layer range. A coordinator connection sends HELLO (with mux=1), which
+// assigns the range, the KV capacity and the rest of the chain; the worker connects to its next hop
+// (if any) and passes the rest of the chain on, loads (or reuses) a Stage for its range, and answers
+// WELCOME with every stage's profile. From then on the connection carries many sessions (OPEN, BATCH,
+// CLOSE: mux_worker.hpp). Ending the connection ends its sessions and frees their caches; the
+// connections below end with it.
 #pragma once
 
 #include <algorithm>
@@ -43,15 +42,6 @@
 #include "pp/text/sampler.hpp"
 
 namespace pp::net {
-
-// How long an upstream end waits for a reply that `hops_below` workers must compute: the hop nearest
-// a stalled peer times out first and its ERR, which names that peer, arrives before anyone else's
-// timeout fires.
-inline constexpr Millis kHopSlack{1000};
-inline Millis reply_wait(Millis timeout, std::size_t hops_below) {
-  if (timeout == kNoTimeout) return timeout;
-  return timeout + kHopSlack * static_cast<int64_t>(hops_below > 0 ? hops_below - 1 : 0);
-}
 
 inline NumericProfile local_profile(const Stage& s) { return NumericProfile{s.kernel_profile(), s.threads()}; }
 
@@ -202,36 +192,27 @@ class ModelWorker {
   }
 
  private:
-  // One connection's state: nothing until HELLO, then the assigned stage and its sequence.
+  // One connection's state: nothing until HELLO, then the assigned stage, the next hop and the sessions.
   struct Session {
-    SessionSlot slot;              // first member: released last, after the cache below is freed
+    SessionSlot slot;              // first member: released last, after everything below is freed
     ModelWorker* owner = nullptr;  // set once established: the destructor then counts it out
     uint64_t id = 0;
     uint32_t stage_index = 0;
     LayerRange range;
     uint32_t ctx = 0;
-    SamplingParams sampling;
     std::shared_ptr<const Stage> stage;
-    std::optional<Sequence> seq;
     std::optional<ModelLink> next;
-    Sampler sampler;
-    Buffer<float> rows;             // [>= rows, n_embd] this FWD's residual, 64-byte aligned, grown on demand
-    std::vector<float> logits;      // [n_vocab] last stage
-    std::vector<uint8_t> reply;     // RES payload
-    uint64_t frames = 0;
-    std::unique_ptr<MuxConnection> mux;  // after a HELLO with mux=1: the connection's sessions
+    std::unique_ptr<MuxConnection> mux;  // the connection's sessions
     std::string name() const {
-      return "session " + to_hex_u64(id) + " (stage " + std::to_string(stage_index) + ", layers [" +
+      return "connection " + to_hex_u64(id) + " (stage " + std::to_string(stage_index) + ", layers [" +
              std::to_string(range.lo) + ", " + std::to_string(range.hi) + "))";
     }
     ~Session() {
-      mux.reset();  // stops its relay before the next hop closes
+      mux.reset();  // frees the sessions' caches and stops the relay before the next hop closes
       if (!owner) return;
-      next.reset();  // closing the next hop ends the sessions below
-      seq.reset();
+      next.reset();  // closing the next hop ends the connections below
       const std::size_t left = --owner->active_;
-      owner->log("session " + to_hex_u64(id) + " ended after " + std::to_string(frames) + " FWD (" +
-                 std::to_string(left) + " active)");
+      owner->log("connection " + to_hex_u64(id) + " ended (" + std::to_string(left) + " active)");
     }
   };
 
@@ -240,9 +221,10 @@ class ModelWorker {
   }
 
   // Sends ERR (best effort: the upstream may be gone) and ends the session with the same message.
-  [[noreturn]] void fail(Channel& up, const ModelHeader& about, const std::string& message) {
+  // `permanent`: another attempt cannot succeed (kErrPermanent): the coordinator stops resuming.
+  [[noreturn]] void fail(Channel& up, const ModelHeader& about, const std::string& message, bool permanent = false) {
     try {
-      send_model_err(up, about, message);
+      send_model_err(up, about, message, permanent);
     } catch (const Error&) {
     }
     throw Error(message);
@@ -266,10 +248,10 @@ class ModelWorker {
         fail(up, m, opt_.psk ? "AUTH on a connection that has already authenticated"
                              : "authentication failed: the upstream sent AUTH (it holds a pre-shared key) but this "
                                "worker has none: start it with --psk-file or PP_NODE_PSK, or drop the upstream's key");
-      case kTypeFwd: return forward(up, m, s);
       case kTypeProbe: return answer_probe(up, m, opt_.path, opt_.threads, opt_.max_ctx);
       default:
-        fail(up, m, "unexpected " + model_type_name(m.type) + " (a worker accepts HELLO, FWD, STATUS)");
+        fail(up, m, "unexpected " + model_type_name(m.type) +
+                        " before HELLO (a worker accepts AUTH, HELLO, STATUS, PROBE; after HELLO: OPEN, CLOSE, BATCH, STATUS)");
     }
   }
 
@@ -280,19 +262,22 @@ class ModelWorker {
       hello = decode_hello(read_text(up, m.payload_bytes, "HELLO"));
       check_hello(hello, id_, opt_.max_ctx);
     } catch (const HandshakeError& e) {
-      fail(up, m, e.what());
+      fail(up, m, e.what(), true);
     } catch (const FrameError& e) {
-      fail(up, m, e.what());
+      fail(up, m, e.what(), true);
     }
+    if (!hello.mux)
+      fail(up, m,
+           "handshake: HELLO without mux=1: this worker serves only multiplexed sessions (OPEN, BATCH, CLOSE); the "
+           "coordinator runs an older pp_node: every node must be this version",
+           true);
     s.slot = reserve_session();  // before the next hop, the stage or the cache
     if (!s.slot) fail(up, m, busy_text());
     s.id = m.session;
     s.stage_index = hello.stage;
     s.range = hello.chain.front().range;
     s.ctx = hello.ctx;
-    s.sampling = hello.sampling;
     std::string welcome_text;
-    bool mux = false;
     Millis mux_wait = kNoTimeout;
     try {
       // The next hop loads its stage while this one loads its own.
@@ -312,17 +297,20 @@ class ModelWorker {
       }
       s.stage = stage_for(s.range, s.ctx);
       Welcome w;
-      w.mux = hello.mux;
+      w.mux = true;
       w.stages.push_back(StageReport{hello.stage, s.range, local_profile(*s.stage), s.ctx,
                                      s.stage->bytes_used(), hello.chain.front().peer.str()});
       if (s.next) {
         const Welcome below = s.next->read_welcome(reply_wait(load_wait, hello.chain.size() - 1));
         w.stages.insert(w.stages.end(), below.stages.begin(), below.stages.end());
-        w.mux = w.mux && below.mux;
+        if (!below.mux)
+          throw RefusedError(s.next->who() + " does not accept multiplexed sessions: it runs an older pp_node");
       }
-      mux = w.mux;
-      if (!mux) s.seq.emplace(s.stage->new_sequence());  // a multiplexed connection's sessions have their own
       welcome_text = encode_welcome(w);
+    } catch (const RefusedError& e) {
+      fail(up, m, e.what(), true);
+    } catch (const AuthError& e) {
+      fail(up, m, e.what(), true);
     } catch (const Error& e) {
       fail(up, m, e.what());
     } catch (const std::bad_alloc&) {
@@ -345,8 +333,7 @@ class ModelWorker {
     ModelHeader r = m;
     r.type = kTypeWelcome;
     send_model_text(up, r, welcome_text);
-    if (mux)
-      s.mux = std::make_unique<MuxConnection>(
+    s.mux = std::make_unique<MuxConnection>(
           MuxSetup{id_, s.id, s.stage_index, s.range, s.ctx, s.stage, s.next ? &*s.next : nullptr, mux_wait,
                    &mux_stats_, log_, [this] { return status_text(); },
                    [this]() -> std::shared_ptr<void> {
@@ -355,47 +342,6 @@ class ModelWorker {
                    },
                    [this] { return busy_text(); }},
           up);
-  }
-
-  void forward(Channel& up, const ModelHeader& m, Session& s) {
-    if (!s.owner) fail(up, m, "FWD before HELLO: the handshake assigns the layer range first");
-    const ModelGeometry g{id_.n_embd, id_.n_vocab, s.ctx};
-    try {
-      check_fwd_v2(m, g, static_cast<uint32_t>(s.range.lo), static_cast<uint32_t>(s.range.hi), s.id);
-    } catch (const FrameError& e) {
-      fail(up, m, e.what());  // before any byte of the payload is read or allocated
-    }
-    const std::size_t n = m.rows;
-    if (s.rows.size() < n * id_.n_embd) s.rows = Buffer<float>(n * id_.n_embd);  // after the checks above
-    up.read_into(std::span(reinterpret_cast<uint8_t*>(s.rows.data()), m.payload_bytes), "FWD payload");
-    if (const std::string bad = first_non_finite(s.rows.data(), n, id_.n_embd, m.pos); !bad.empty())
-      fail(up, m, "FWD seq " + std::to_string(m.seq) + ": " + bad);
-    ++s.frames;
-    try {
-      s.stage->forward(*s.seq, static_cast<int64_t>(m.pos), s.rows.data(), n);
-    } catch (const RequestError& e) {
-      fail(up, m, s.name() + ": " + e.what());
-    }
-    ModelHeader r = m;
-    r.type = kTypeRes;
-    if (s.next) {
-      ModelHeader down = m;
-      down.layer_lo = static_cast<uint32_t>(s.next->hop().range.lo);
-      down.layer_hi = static_cast<uint32_t>(s.next->hop().range.hi);
-      try {
-        s.next->send_fwd(down, std::span(reinterpret_cast<const uint8_t*>(s.rows.data()), m.payload_bytes));
-        s.next->read_res(down, id_.n_vocab, s.reply);
-      } catch (const Error& e) {
-        fail(up, m, e.what());  // names the next hop and its stage
-      }
-    } else {
-      s.logits.resize(id_.n_vocab);
-      s.stage->head(*s.seq, s.rows.data() + (n - 1) * id_.n_embd, 1, s.logits.data());
-      // The token occupies the position after the last row: the same (seed, position) rule as pp_generate.
-      const int32_t token = s.sampler.sample(s.logits, s.sampling, static_cast<int64_t>(m.pos + n));
-      s.reply = encode_res(token, m.flags, s.logits);
-    }
-    send_model(up, r, s.reply);
   }
 
   // The stage for (range, ctx): shared by every session that asks for it; loading one evicts stages no

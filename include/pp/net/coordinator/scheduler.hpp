@@ -1,21 +1,21 @@
-// The serving engine of pp_node's coordinator: many generations at once through one multiplexed chain, in micro-batches.
+// The coordinator: stage 0 (layers [0, C1), the embedding, the tokenizer) and many generations at once through one multiplexed chain, in micro-batches.
 //
 // Each generation is a session on every stage (OPEN ... CLOSE on one multiplexed connection,
-// docs/PROTOCOL-TCP.md "Multiplexed sessions"). One scheduler thread owns stage 0 (layers [0, C1), the
-// embedding and the tokenizer) and every session's state; a reader thread takes the chain's replies.
-// The scheduler keeps the pipeline full: the live sessions are split into up to n_stages micro-batches,
-// each one BATCH frame (one pass over every stage's weights for all its sessions), and up to n_stages
-// batches are in flight at once, so while stage 1 runs one batch stage 0 runs the next. A prompt is fed
-// in chunks of at most kPrefillChunk rows, so a long prompt delays the others' next token by one chunk
-// at most.
+// docs/PROTOCOL-TCP.md "Multiplexed sessions"). One scheduler thread owns stage 0 and every session's
+// state; the link's reader thread hands it the chain's replies (link.hpp). The scheduler keeps the
+// pipeline full: the live sessions are split into up to n_stages micro-batches, each one BATCH frame
+// (one pass over every stage's weights for all its sessions), and up to n_stages batches are in flight
+// at once, so while stage 1 runs one batch stage 0 runs the next. A prompt is fed in chunks of at most
+// kPrefillChunk rows, so a long prompt delays the others' next token by one chunk at most.
 //
-// Output goes into each generation's own GenStream (an unbounded queue): a consumer that reads slowly or
-// never holds up nobody else. A cancelled generation (its consumer went away) is closed on every stage
-// as soon as none of its rows is in flight.
+// Output goes into each generation's own GenStream (stream.hpp). A cancelled generation (its consumer
+// went away) is closed on every stage as soon as none of its rows is in flight.
+//
+// With `resume` set, a lost chain is re-established and every session replayed into it: the same
+// entries in the same order from a fresh stage-0 cache, each answer checked against the token the
+// session got the first time (the arithmetic of an entry depends only on its own rows, so it must be
+// identical). A generation then goes on as if nothing had happened.
 #pragma once
-
-#include <poll.h>
-#include <sys/socket.h>
 
 #include <algorithm>
 #include <atomic>
@@ -28,156 +28,51 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <random>
 #include <span>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
-#include "node/stop_strings.hpp"
 #include "pp/core/buffer.hpp"
 #include "pp/core/error.hpp"
-#include "pp/io/gguf.hpp"
-#include "pp/io/llama_loader.hpp"
-#include "pp/io/mmap.hpp"
+#include "pp/core/hex.hpp"
+#include "pp/kernels/matmul.hpp"
+#include "pp/model.hpp"
+#include "pp/net/auth.hpp"
+#include "pp/net/coordinator/link.hpp"
+#include "pp/net/coordinator/stream.hpp"
 #include "pp/net/handshake.hpp"
-#include "pp/net/model_frame.hpp"
-#include "pp/net/model_link.hpp"
-#include "pp/net/model_worker.hpp"
 #include "pp/net/mux_frame.hpp"
 #include "pp/stage.hpp"
-#include "pp/text/sampler.hpp"
+#include "pp/text/stop_strings.hpp"
 #include "pp/text/tokenizer.hpp"
 
-namespace pp::node {
+namespace pp::net {
 
 using SteadyClock = std::chrono::steady_clock;
 
-// What one generation asks for.
-struct GenParams {
-  SamplingParams sampling;
-  uint32_t max_tokens = 16;
-  std::vector<std::string> stop;  // cut the text before the first of these
-  bool ignore_eos = false;
-};
-
-enum class Finish { none, stop, length, cancelled, error };
-
-inline const char* finish_name(Finish f) {
-  switch (f) {
-    case Finish::stop: return "stop";
-    case Finish::length: return "length";
-    case Finish::cancelled: return "cancelled";
-    case Finish::error: return "error";
-    default: return "none";
-  }
-}
-
-// One generation's output: written by the engine, read by one consumer.
-class GenStream {
- public:
-  struct Piece {
-    std::string text;             // may be empty (text held back for a stop string, or no tokenizer)
-    std::vector<int32_t> tokens;  // the tokens this piece comes from (the end-of-generation token excluded)
-  };
-
-  // Waits up to `wait` for output and moves what arrived into `out` (appended). False once the
-  // generation has ended and everything has been taken.
-  bool next(std::vector<Piece>& out, std::chrono::milliseconds wait) {
-    std::unique_lock lock(mu_);
-    cv_.wait_for(lock, wait, [&] { return !q_.empty() || done_; });
-    while (!q_.empty()) out.push_back(std::move(q_.front())), q_.pop_front();
-    return !(done_ && q_.empty());
-  }
-
-  // The consumer has gone (a closed connection, a client that stopped reading): the engine frees the
-  // session on every stage.
-  void cancel() {
-    cancelled_.store(true);
-    if (wake_) wake_();
-  }
-  bool cancelled() const { return cancelled_.load(); }
-
-  bool done() const {
-    std::lock_guard lock(mu_);
-    return done_;
-  }
-  Finish finish() const {
-    std::lock_guard lock(mu_);
-    return finish_;
-  }
-  std::string error() const {
-    std::lock_guard lock(mu_);
-    return error_;
-  }
-  std::size_t prompt_tokens() const { return prompt_tokens_; }
-  std::size_t completion_tokens() const {
-    std::lock_guard lock(mu_);
-    return completion_tokens_;
-  }
-
- private:
-  friend class ServeEngine;
-  void push(Piece p) {
-    {
-      std::lock_guard lock(mu_);
-      q_.push_back(std::move(p));
-    }
-    cv_.notify_all();
-  }
-  void end(Finish f, std::size_t completion_tokens, std::string error = {}) {
-    {
-      std::lock_guard lock(mu_);
-      if (done_) return;
-      done_ = true;
-      finish_ = f;
-      completion_tokens_ = completion_tokens;
-      error_ = std::move(error);
-    }
-    cv_.notify_all();
-  }
-
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Piece> q_;
-  bool done_ = false;
-  Finish finish_ = Finish::none;
-  std::string error_;
-  std::size_t completion_tokens_ = 0;
-  std::size_t prompt_tokens_ = 0;
-  std::atomic<bool> cancelled_{false};
-  std::function<void()> wake_;
-};
-
-// A conversation (the terminal chat): its session stays open between generations, so each turn feeds
-// only its new tokens. Touched by the engine thread only; its owner submits one turn at a time.
-class Conversation {
- private:
-  friend class ServeEngine;
-  uint64_t session = 0;                 // 0: none open (the first turn, or the chain was lost)
-  std::vector<int32_t> history;         // every token fed so far, to rebuild a lost session
-  std::optional<int32_t> unfed;         // the last turn's last token, not fed yet
-};
-
-struct ServeConfig {
-  std::string path;
-  std::shared_ptr<const Model> model;  // path opened; null: the engine opens it
-  std::vector<net::Peer> workers;  // chain order
-  std::vector<int> cuts;           // validated: one per worker
-  uint32_t ctx = 0;                // 0: min(4096, model context)
+struct CoordinatorConfig {
+  std::shared_ptr<const Model> model;
+  std::string name;                // what the HELLO calls the model file (default: its path)
+  std::vector<Peer> workers;       // chain order
+  std::vector<int> cuts;           // validated: one per worker, strictly increasing in (0, n_layer)
+  uint32_t ctx = 0;                // 0: Model::default_ctx()
   unsigned threads = 0;
-  Residency residency = Residency::Anonymous;  // of the coordinator's own stage
-  net::Timeouts timeouts;
-  net::Millis load_wait{120000};
+  Residency residency = Residency::Anonymous;  // of stage 0
+  Timeouts timeouts;
+  Millis load_wait{120000};
   std::size_t parallel = 16;       // generations decoding at once; more wait in the queue
   std::chrono::seconds keepalive{30};
-  // Runs on the link to the first worker before HELLO (authentication, when the chain asks for it).
-  std::function<void(net::Channel&)> authenticate;
+  std::function<void(Channel&)> authenticate;  // before HELLO, when the chain asks for a key
+  // After the chain fails, keep re-establishing it this long and replay every session into it; 0 = every
+  // generation in progress ends with the error (the next one reconnects).
+  Millis resume{0};
+  std::function<void(const std::string&)> log;  // a line about the chain (losing it, resuming)
 };
 
-// Counters for /metrics.
-struct EngineMetrics {
+// Counters for /metrics and the run report.
+struct CoordinatorMetrics {
   uint64_t tokens_generated = 0, prompt_tokens = 0;
   uint64_t requests_ok = 0, requests_error = 0, requests_cancelled = 0;
   double tokens_per_second = 0;  // over the last 10 s
@@ -190,32 +85,33 @@ struct EngineMetrics {
   bool link_up = false;
   std::string link_error;
   uint64_t link_epoch = 0;  // connections to the chain made so far: /health ignores probes of an older link
+  uint64_t resumes = 0, replayed_positions = 0;  // chains re-established, positions replayed into them
+  double resume_s = 0;
 };
 
-class ServeEngine {
+class Coordinator {
  public:
   // Rows of one session's prompt in one batch, and of one batch: a batch's compute on the slowest stage
   // must stay well inside --timeout, which bounds every wait for a reply.
   static constexpr std::size_t kPrefillChunk = 128;
   static constexpr std::size_t kBatchRows = 128;
 
-  // Reads the file's header (identity, geometry) and the tokenizer; maps nothing else yet.
-  explicit ServeEngine(ServeConfig cfg)
-      : cfg_(std::move(cfg)), model_(cfg_.model ? cfg_.model : Model::open(cfg_.path)), config_(model_->config()) {
-    id_ = net::identify_model(*model_, cfg_.path);
-    ctx_ = cfg_.ctx ? cfg_.ctx : uint32_t(model_->default_ctx());
-    tok_ = model_->tokenizer();
-    int lo = cfg_.cuts.front();
+  // Reads the model's identity and geometry; maps nothing yet.
+  explicit Coordinator(CoordinatorConfig cfg) : cfg_(std::move(cfg)), config_(cfg_.model->config()) {
+    if (cfg_.workers.empty() || cfg_.cuts.size() != cfg_.workers.size())
+      throw RequestError("a coordinator needs one cut per worker and at least one worker");
+    id_ = identify_model(*cfg_.model, cfg_.name);
+    ctx_ = cfg_.ctx ? cfg_.ctx : uint32_t(cfg_.model->default_ctx());
+    tok_ = cfg_.model->tokenizer();
     for (std::size_t i = 0; i < cfg_.workers.size(); ++i) {
       const int hi = i + 1 < cfg_.cuts.size() ? cfg_.cuts[i + 1] : int(config_.n_layer);
-      hops_.push_back(net::Hop{LayerRange{lo, hi}, cfg_.workers[i]});
-      lo = hi;
+      hops_.push_back(Hop{LayerRange{cfg_.cuts[i], hi}, cfg_.workers[i]});
     }
   }
-  ServeEngine(const ServeEngine&) = delete;
-  ServeEngine& operator=(const ServeEngine&) = delete;
+  Coordinator(const Coordinator&) = delete;
+  Coordinator& operator=(const Coordinator&) = delete;
 
-  ~ServeEngine() {
+  ~Coordinator() {
     shutdown();
     drop_link();
   }
@@ -232,16 +128,16 @@ class ServeEngine {
   }
 
   const Config& config() const { return config_; }
-  const net::ModelIdentity& identity() const { return id_; }
-  const gguf::File& gguf() const { return model_->gguf(); }
+  const ModelIdentity& identity() const { return id_; }
+  const Model& model() const { return *cfg_.model; }
   uint32_t ctx() const { return ctx_; }
   const Tokenizer* tokenizer() const { return tok_; }
-  const std::string& tokenizer_error() const { return model_->tokenizer_error(); }
-  const std::vector<net::Hop>& hops() const { return hops_; }
+  const std::vector<Hop>& hops() const { return hops_; }
   std::size_t n_stages() const { return hops_.size() + 1; }
   const Stage& stage() const { return *stage_; }
   LayerRange stage_range() const { return LayerRange{0, cfg_.cuts.front()}; }
-  const net::Welcome& welcome() const { return welcome_; }
+  // The chain's WELCOME (after connect()).
+  const Welcome& welcome() const { return welcome_; }
 
   // Maps and loads stage 0 (may run while connect() waits for the workers to load theirs).
   void load_stage() {
@@ -249,53 +145,44 @@ class ServeEngine {
     so.ctx = ctx_;
     so.threads = cfg_.threads;
     so.residency = cfg_.residency;
-    stage_ = std::make_unique<Stage>(model_, LayerRange{0, cfg_.cuts.front()}, so);
+    stage_ = std::make_unique<Stage>(cfg_.model, stage_range(), so);
   }
 
-  // The handshake with mux=1; throws naming the hop. Called before start(), and again by the scheduler
-  // after the chain was lost.
+  // The handshake; throws naming the hop. Called before start(), and again by the scheduler after the
+  // chain was lost.
   void connect() {
-    net::Hello hello;
-    hello.model = id_;
-    hello.ctx = ctx_;
-    hello.from = uint32_t(cfg_.cuts.front());
-    hello.stage = 1;
-    hello.chain = hops_;
-    hello.coordinator = stage_ ? net::local_profile(*stage_) : net::NumericProfile{simd::Best::name(), cfg_.threads};
-    auto ms = [](net::Millis t) { return t == net::kNoTimeout ? 0u : uint32_t(std::min<int64_t>(t.count(), 86400000)); };
-    hello.timeout_ms = ms(cfg_.timeouts.io);
-    hello.load_timeout_ms = ms(cfg_.load_wait);
-    hello.mux = true;
-    const net::Millis wait = net::reply_wait(cfg_.timeouts.io, hops_.size());
-    auto link = std::make_unique<net::ModelLink>(hops_.front(), 1, cfg_.timeouts, wait);
-    if (cfg_.authenticate) cfg_.authenticate(link->channel());
-    const uint64_t session = random_id();
-    link->send_hello(hello, session);
-    net::Welcome w = link->read_welcome(net::reply_wait(cfg_.load_wait, hops_.size()));
-    const std::string& who = link->who();
-    if (w.stages.size() != hops_.size())
-      throw Error(who + ": WELCOME reports " + std::to_string(w.stages.size()) + " stages, the chain has " +
-                  std::to_string(hops_.size()));
-    for (std::size_t i = 0; i < hops_.size(); ++i)
-      if (w.stages[i].range != hops_[i].range || w.stages[i].stage != i + 1)
-        throw Error(who + ": WELCOME reports stage " + std::to_string(w.stages[i].stage) + " with other layers than assigned");
-    if (!w.mux)
-      throw Error(who + ": the chain does not accept multiplexed sessions (no mux=1 in WELCOME): a worker runs an "
-                        "older pp_node; serving needs every worker to be this version");
-    link->channel().set_timeouts(net::Timeouts{cfg_.timeouts.io, net::kNoTimeout});
-    welcome_ = std::move(w);
-    conn_session_ = session;
+    ChainSpec spec;
+    spec.id = id_;
+    spec.ctx = ctx_;
+    spec.hops = hops_;
+    spec.coordinator = stage_ ? NumericProfile{stage_->kernel_profile(), stage_->threads()}
+                              : NumericProfile{simd::Best::name(), cfg_.threads};
+    spec.timeouts = cfg_.timeouts;
+    spec.load_wait = cfg_.load_wait;
+    spec.authenticate = cfg_.authenticate;
+    auto link = std::make_unique<MuxLink>(
+        spec,
+        [this](ChainReply r) {
+          {
+            std::lock_guard lock(mu_);
+            replies_.push_back(std::move(r));
+          }
+          cv_.notify_all();
+        },
+        [this](const std::string& why) {
+          {
+            std::lock_guard lock(mu_);
+            link_dead_ = true;
+            link_error_ = why;
+          }
+          cv_.notify_all();
+        });
+    welcome_ = link->welcome();
     link_ = std::move(link);
-    reply_wait_ = wait;
-    reader_stop_.store(false);
-    outstanding_.store(0);
-    reader_ = std::thread([this] { read_replies(); });
-    {
-      std::lock_guard lock(metrics_mu_);
-      metrics_.link_up = true;
-      metrics_.link_error.clear();
-      ++metrics_.link_epoch;
-    }
+    std::lock_guard lock(metrics_mu_);
+    metrics_.link_up = true;
+    metrics_.link_error.clear();
+    ++metrics_.link_epoch;
   }
 
   // Starts the scheduler (after load_stage and connect).
@@ -334,9 +221,9 @@ class ServeEngine {
     cv_.notify_all();
   }
 
-  EngineMetrics metrics() const {
+  CoordinatorMetrics metrics() const {
     std::lock_guard lock(metrics_mu_);
-    EngineMetrics m = metrics_;
+    CoordinatorMetrics m = metrics_;
     const auto now = SteadyClock::now();
     uint64_t recent = 0;
     for (const auto& [t, n] : recent_)
@@ -344,6 +231,17 @@ class ServeEngine {
     const double window = std::min(10.0, std::chrono::duration<double>(now - started_).count());
     m.tokens_per_second = window > 0 ? double(recent) / window : 0.0;
     return m;
+  }
+
+  // Rows of a prompt with `left` rows to go fed in the next entry. Depends on the prompt only, not on
+  // what else is in the batch: a row's arithmetic depends on its request's size (kernels::kBulkRows),
+  // so a session's output is the same whether it runs alone or with others. The last piece of a bulk
+  // prompt is kept bulk too, so the rows take the path they take when the prompt runs in one piece.
+  static std::size_t feed_rows(std::size_t left, std::size_t ctx) {
+    const std::size_t chunk = std::min<std::size_t>({kPrefillChunk, kBatchRows, ctx});
+    if (left <= chunk) return left;
+    if (chunk > 2 * kernels::kBulkRows && left - chunk < kernels::kBulkRows) return left - kernels::kBulkRows;
+    return chunk;
   }
 
  private:
@@ -356,6 +254,12 @@ class ServeEngine {
   };
 
   enum class State { opening, ready, in_flight, idle };
+
+  // One answered entry, kept to replay the session into a new chain (resume).
+  struct Step {
+    uint32_t rows = 0;
+    int32_t token = 0;
+  };
 
   struct Session {
     uint64_t id = 0;
@@ -374,100 +278,42 @@ class ServeEngine {
     std::optional<int32_t> unfed;  // the last sampled token, not yet fed
     SteadyClock::time_point t_submit;
     bool got_first = false;
+    // With resume: every row fed and every entry answered, and how far a replay has come.
+    std::vector<int32_t> fed;
+    std::vector<Step> steps;
+    std::size_t replay_at = SIZE_MAX;  // < steps.size(): replaying
+    bool replaying() const { return replay_at < steps.size(); }
   };
 
-  struct Reply {
-    net::ModelHeader h;
-    std::vector<uint8_t> payload;
+  struct Sent {
+    uint64_t session = 0;
+    uint32_t rows = 0;
+    uint8_t flags = 0;
+    bool replay = false;
   };
 
   struct InFlight {
-    std::vector<std::pair<uint64_t, uint32_t>> entries;  // session, rows
+    std::vector<Sent> entries;
+    std::vector<BatchEntry> wire;  // as sent: the BRES layout follows their flags
     SteadyClock::time_point sent;
   };
 
-  static uint64_t random_id() {
-    static std::mutex mu;
-    static std::mt19937_64 rng{std::random_device{}() ^ (uint64_t(std::random_device{}()) << 32)};
-    std::lock_guard lock(mu);
-    uint64_t v = 0;
-    while (v == 0) v = rng();
-    return v;
-  }
-
-  // ---- the reader thread ----
-
-  void read_replies() {
-    net::Channel& ch = link_->channel();
-    const std::string who = link_->who();
-    try {
-      while (!reader_stop_.load()) {
-        if (!net::detail::wait_ready(ch.fd().get(), POLLIN, net::Millis{200})) {
-          if (outstanding_.load() > 0 && reply_wait_ != net::kNoTimeout &&
-              SteadyClock::now() - SteadyClock::time_point(SteadyClock::duration(last_progress_.load())) > reply_wait_)
-            throw NetError(NetError::Kind::timeout,
-                           who + ": no reply within " + net::detail::seconds_text(reply_wait_));
-          continue;
-        }
-        const std::optional<net::FrameHeader> fh = ch.read_header();
-        if (reader_stop_.load()) return;
-        if (!fh) throw NetError(NetError::Kind::closed, who + ": closed the connection");
-        const auto t0 = SteadyClock::now();
-        if (fh->version != net::kVersionModel) {
-          const std::string text = fh->type == net::kTypeErr ? net::read_text(ch, fh->payload_bytes, "ERR") : "";
-          throw FrameError(who + ": answered with version " + std::to_string(fh->version) + " " + text);
-        }
-        Reply r;
-        r.h = net::read_extension(ch, *fh);
-        const uint32_t limit = r.h.type == net::kTypeBatchRes ? 4 * net::kMaxBatchEntries : net::kMaxTextPayload;
-        if (r.h.type != net::kTypeBatchRes && r.h.type != net::kTypeOpen && r.h.type != net::kTypeErr &&
-            r.h.type != net::kTypeStatus)
-          throw FrameError(who + ": sent " + net::mux_type_name(r.h.type) + " on the multiplexed connection");
-        if (r.h.payload_bytes > limit)
-          throw FrameError(who + ": " + net::mux_type_name(r.h.type) + " payload_bytes " +
-                           std::to_string(r.h.payload_bytes) + " > limit " + std::to_string(limit));
-        r.payload.resize(r.h.payload_bytes);
-        ch.read_into(r.payload, "reply payload");
-        link_->count_received(net::kModelHeaderBytes + r.payload.size());
-        if (r.h.type == net::kTypeErr && r.h.session == conn_session_)
-          throw Error(who + " reports: " + std::string(r.payload.begin(), r.payload.end()));
-        if (r.h.type != net::kTypeStatus) {
-          outstanding_.fetch_sub(1);
-          last_progress_.store(SteadyClock::now().time_since_epoch().count());
-        }
-        {
-          std::lock_guard lock(metrics_mu_);
-          metrics_.stage0_transfer_s += std::chrono::duration<double>(SteadyClock::now() - t0).count();
-        }
-        {
-          std::lock_guard lock(mu_);
-          replies_.push_back(std::move(r));
-        }
-        cv_.notify_all();
-      }
-    } catch (const std::exception& e) {
-      if (reader_stop_.load()) return;
-      {
-        std::lock_guard lock(mu_);
-        link_dead_ = true;
-        link_error_ = e.what();
-      }
-      cv_.notify_all();
-    }
-  }
+  // ---- the link ----
 
   void drop_link() {
-    reader_stop_.store(true);
-    if (link_) ::shutdown(link_->channel().fd().get(), SHUT_RDWR);
-    if (reader_.joinable()) reader_.join();
     if (link_) {
       std::lock_guard lock(metrics_mu_);
       metrics_.bytes_sent_base += link_->bytes_sent();
       metrics_.bytes_received_base += link_->bytes_received();
     }
-    link_.reset();
+    link_.reset();  // joins the reader
     std::lock_guard lock(metrics_mu_);
     metrics_.link_up = false;
+  }
+
+  uint64_t link_bytes() const {
+    std::lock_guard lock(metrics_mu_);
+    return metrics_.bytes_sent_base + metrics_.bytes_received_base + (link_ ? link_->bytes() : 0);
   }
 
   // ---- the scheduler thread ----
@@ -482,7 +328,7 @@ class ServeEngine {
 
   void schedule() {
     std::vector<Submission> submits;
-    std::vector<Reply> replies;
+    std::vector<ChainReply> replies;
     std::vector<std::shared_ptr<Conversation>> ends;
     auto last_send = SteadyClock::now();
     for (;;) {
@@ -505,9 +351,12 @@ class ServeEngine {
         dead_why = link_error_;
         cancels = std::exchange(cancel_seen_, false);
       }
-      if (dead) lose_link(dead_why);
+      if (dead) {
+        replies.clear();  // answers on the lost connection
+        lose_link(dead_why);
+      }
       loss_.reset();
-      for (Reply& r : replies) on_reply(r);
+      for (ChainReply& r : replies) on_reply(r);
       replies.clear();
       for (auto& c : ends) end_conv(*c);
       ends.clear();
@@ -520,7 +369,7 @@ class ServeEngine {
         last_send = SteadyClock::now();
       }
       if (link_ && SteadyClock::now() - last_send > cfg_.keepalive) {
-        send_close(net::kKeepaliveSession);
+        send_close(kKeepaliveSession);
         last_send = SteadyClock::now();
       }
       if (loss_) lose_link(*std::exchange(loss_, std::nullopt));
@@ -532,6 +381,11 @@ class ServeEngine {
     for (Submission& s : waiting_) s.out->end(Finish::error, 0, "the server is shutting down");
     std::lock_guard lock(mu_);
     for (Submission& s : submits_) s.out->end(Finish::error, 0, "the server is shutting down");
+  }
+
+  bool stopping() {
+    std::lock_guard lock(mu_);
+    return stop_;
   }
 
   std::size_t busy_sessions() const {
@@ -595,7 +449,7 @@ class ServeEngine {
       sub.conv->session = 0;
     }
     Session s;
-    s.id = random_id();
+    s.id = random_session_id();
     try {
       s.seq.emplace(stage_->new_sequence());
     } catch (const std::bad_alloc&) {
@@ -617,13 +471,16 @@ class ServeEngine {
     s.conv = sub.conv;
     begin_generation(s, sub);
     const uint64_t id = s.id;
-    const SamplingParams sampling = s.params.sampling;
     sessions_.emplace(id, std::move(s));
-    net::ModelHeader h;
-    h.type = net::kTypeOpen;
-    h.session = id;
+    send_open(sessions_.at(id));
+  }
+
+  void send_open(const Session& s) {
+    ModelHeader h;
+    h.type = kTypeOpen;
+    h.session = s.id;
     h.seq = next_seq_++;
-    const std::string text = net::encode_sampling(sampling);
+    const std::string text = encode_sampling(s.params.sampling);
     send_frame(h, std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()), true);
   }
 
@@ -639,15 +496,11 @@ class ServeEngine {
   }
 
   // Frames other than BATCH; `replies`: the chain answers it (the stall timer counts it).
-  void send_frame(net::ModelHeader h, std::span<const uint8_t> payload, bool replies) {
+  void send_frame(ModelHeader h, std::span<const uint8_t> payload, bool replies) {
     if (!link_ || loss_) return;
-    h.layer_lo = uint32_t(hops_.front().range.lo);
-    h.layer_hi = uint32_t(hops_.front().range.hi);
-    if (replies && outstanding_.fetch_add(1) == 0) last_progress_.store(SteadyClock::now().time_since_epoch().count());
     const auto t0 = SteadyClock::now();
     try {
-      net::send_model(link_->channel(), h, payload);
-      link_->count_sent(net::kModelHeaderBytes + payload.size());
+      link_->send(h, payload, replies);
     } catch (const std::exception& e) {
       return defer_loss(e.what());
     }
@@ -656,8 +509,8 @@ class ServeEngine {
   }
 
   void send_close(uint64_t session) {
-    net::ModelHeader h;
-    h.type = net::kTypeClose;
+    ModelHeader h;
+    h.type = kTypeClose;
     h.session = session;
     send_frame(h, {}, false);
   }
@@ -719,24 +572,24 @@ class ServeEngine {
     c.history.clear();
   }
 
-  void on_reply(const Reply& r) {
-    if (r.h.type == net::kTypeStatus) return;
-    if (r.h.type == net::kTypeOpen || r.h.type == net::kTypeErr) {
+  void on_reply(const ChainReply& r) {
+    if (r.h.type == kTypeStatus) return;
+    if (r.h.type == kTypeOpen || r.h.type == kTypeErr) {
       const auto it = sessions_.find(r.h.session);
       if (it == sessions_.end()) return;
       Session& s = it->second;
-      if (r.h.type == net::kTypeErr) {
+      if (r.h.type == kTypeErr) {
         const std::string why(r.payload.begin(), r.payload.end());
         if (s.out) {
           count_end(Finish::error);
-          s.out->end(Finish::error, 0, why);
+          s.out->end(Finish::error, s.generated, why);
         }
         close_session(s.id);  // the stages above the refusal opened it
         return;
       }
       if (s.out && s.out->cancelled()) {
         count_end(Finish::cancelled);
-        s.out->end(Finish::cancelled, 0);
+        s.out->end(Finish::cancelled, s.generated);
         return close_session(s.id);
       }
       s.state = State::ready;
@@ -748,17 +601,35 @@ class ServeEngine {
     if (fl == in_flight_.end()) return defer_loss("BRES seq " + std::to_string(r.h.seq) + " answers no batch in flight");
     const InFlight batch = std::move(fl->second);
     in_flight_.erase(fl);
-    if (r.payload.size() != 4 * batch.entries.size())
-      return defer_loss("BRES seq " + std::to_string(r.h.seq) + ": " + std::to_string(r.payload.size()) +
-                       " bytes for " + std::to_string(batch.entries.size()) + " entries");
-    const std::vector<int32_t> tokens = net::decode_batch_res(r.payload);
+    std::vector<EntryResult> results;
+    try {
+      results = decode_batch_res(r.payload, batch.wire, uint32_t(config_.n_vocab));
+    } catch (const FrameError& e) {
+      return defer_loss(e.what());
+    }
+    const double round_trip = std::chrono::duration<double>(SteadyClock::now() - batch.sent).count();
+    const uint64_t bytes = link_bytes();
     uint64_t produced = 0;
     for (std::size_t i = 0; i < batch.entries.size(); ++i) {
-      const auto it = sessions_.find(batch.entries[i].first);
+      const Sent& e = batch.entries[i];
+      const auto it = sessions_.find(e.session);
       if (it == sessions_.end()) continue;
       Session& s = it->second;
       s.state = State::ready;
       s.rows_in_flight = 0;
+      EntryResult& res = results[i];
+      if (res.token < 0 || std::size_t(res.token) >= config_.n_vocab) {
+        defer_loss("a BRES carries token id " + std::to_string(res.token) + " outside the vocabulary");
+        return;
+      }
+      if (e.replay) {
+        if (!replayed(s, res.token)) continue;
+      } else if (recording()) {
+        const auto end = s.feed.begin() + std::ptrdiff_t(s.feed_at);
+        s.fed.insert(s.fed.end(), end - std::ptrdiff_t(e.rows), end);
+        s.steps.push_back(Step{e.rows, res.token});
+        s.replay_at = s.steps.size();
+      }
       if (!s.out) {  // its conversation ended meanwhile
         close_session(s.id);
         continue;
@@ -769,21 +640,46 @@ class ServeEngine {
         close_session(s.id);
         continue;
       }
-      if (s.feed_at < s.feed.size()) {  // more of the prompt to feed: this token is not the answer yet
+      if (e.replay || s.feed_at < s.feed.size()) {  // replaying, or more of the prompt to feed
         ready_.push_back(s.id);
         continue;
       }
       ++produced;
-      on_token(s, tokens[i]);
+      GenStream::Piece p;
+      p.token = res.token;
+      p.pos = s.pos;
+      p.digest = res.digest;
+      p.logits = std::move(res.logits);
+      p.round_trip_s = round_trip;
+      p.link_bytes = bytes;
+      on_token(s, std::move(p));
     }
     std::lock_guard lock(metrics_mu_);
-    metrics_.batch_round_trip_s += std::chrono::duration<double>(SteadyClock::now() - batch.sent).count();
+    metrics_.batch_round_trip_s += round_trip;
     recent_.emplace_back(SteadyClock::now(), produced);
     while (!recent_.empty() && SteadyClock::now() - recent_.front().first > std::chrono::seconds(10)) recent_.pop_front();
   }
 
-  void on_token(Session& s, int32_t t) {
-    if (t < 0 || std::size_t(t) >= config_.n_vocab) return defer_loss("a BRES carries token id " + std::to_string(t));
+  // A replayed entry's answer: it must be the token the session had. False when the session ended.
+  bool replayed(Session& s, int32_t token) {
+    const Step& want = s.steps[s.replay_at];
+    if (token != want.token) {
+      const std::string why = "replay diverged at position " + std::to_string(s.pos) + ": the new chain sampled token " +
+                              std::to_string(token) + " where the session had " + std::to_string(want.token) +
+                              " (a worker with other kernels or another model file?)";
+      if (s.out) {
+        count_end(Finish::error);
+        s.out->end(Finish::error, s.generated, why);
+      }
+      close_session(s.id);
+      return false;
+    }
+    ++s.replay_at;
+    return true;
+  }
+
+  void on_token(Session& s, GenStream::Piece p) {
+    const int32_t t = p.token;
     ++s.generated;
     {
       // Counted before the generation can end: a client that reads /metrics after its reply sees it.
@@ -796,9 +692,13 @@ class ServeEngine {
       }
     }
     s.unfed = t;
-    if (tok_ && tok_->is_eog(t) && !s.params.ignore_eos) return finish(s, Finish::stop);
-    std::string text = s.dec ? s.stop.feed(s.dec->feed(t)) : std::string{};
-    s.out->push(GenStream::Piece{std::move(text), {t}});
+    if (tok_ && tok_->is_eog(t) && !s.params.ignore_eos) {
+      s.out->push(std::move(p));  // no text and no tokens: the token and what came with it
+      return finish(s, Finish::stop);
+    }
+    p.text = s.dec ? s.stop.feed(s.dec->feed(t)) : std::string{};
+    p.tokens = {t};
+    s.out->push(std::move(p));
     if (s.stop.stopped()) return finish(s, Finish::stop);
     if (s.generated >= s.params.max_tokens) return finish(s, Finish::length);
     s.feed.assign(1, t);
@@ -807,15 +707,13 @@ class ServeEngine {
     ready_.push_back(s.id);
   }
 
-  // Rows of a prompt with `left` rows to go fed in the next entry. Depends on the prompt only, not on
-  // what else is in the batch: a row's arithmetic depends on its request's size (kernels::kBulkRows),
-  // so a session's output is the same whether it runs alone or with others. The last piece of a bulk
-  // prompt is kept bulk too, so the rows take the path they take when the prompt runs in one piece.
-  std::size_t feed_rows(std::size_t left) const {
-    const std::size_t chunk = std::min<std::size_t>({kPrefillChunk, kBatchRows, ctx_});
-    if (left <= chunk) return left;
-    if (chunk > 2 * kernels::kBulkRows && left - chunk < kernels::kBulkRows) return left - kernels::kBulkRows;
-    return chunk;
+  bool recording() const { return cfg_.resume.count() > 0; }
+
+  // What the next entry of `s` asks the last stage for: only an entry that produces a generated token.
+  static uint8_t entry_flags(const Session& s, std::size_t rows) {
+    if (s.feed_at + rows < s.feed.size()) return 0;
+    return uint8_t((s.generated < s.params.digest_tokens ? kEntryDigest : 0) |
+                   (s.generated < s.params.logits_tokens ? kEntryLogits : 0));
   }
 
   // One micro-batch: up to ceil(live / n_stages) ready sessions, stage 0's layers for all of them in
@@ -823,58 +721,58 @@ class ServeEngine {
   bool send_batch() {
     std::size_t live = 0;
     for (const auto& [id, s] : sessions_) live += (s.state == State::ready || s.state == State::in_flight) ? 1 : 0;
-    const std::size_t cap = std::min<std::size_t>(net::kMaxBatchEntries, (live + n_stages() - 1) / n_stages());
+    const std::size_t cap = std::min<std::size_t>(kMaxBatchEntries, (live + n_stages() - 1) / n_stages());
     const std::size_t budget = std::min<std::size_t>(kBatchRows, ctx_);
-    std::vector<net::BatchEntry> entries;
+    InFlight fl;
     std::vector<Stage::BatchEntry> run;
-    std::size_t rows = 0;
-    while (!ready_.empty() && entries.size() < std::max<std::size_t>(cap, 1) && rows < budget) {
+    std::size_t rows = 0, with_logits = 0;
+    while (!ready_.empty() && fl.entries.size() < std::max<std::size_t>(cap, 1) && rows < budget) {
       Session& s = sessions_.at(ready_.front());
-      const std::size_t n = feed_rows(s.feed.size() - s.feed_at);
+      const bool replay = s.replaying();
+      const std::size_t n = replay ? s.steps[s.replay_at].rows : feed_rows(s.feed.size() - s.feed_at, ctx_);
+      const uint8_t flags = replay ? 0 : entry_flags(s, n);
       if (n == 0 || (rows > 0 && rows + n > budget)) break;  // the next batch takes it whole
+      if ((flags & kEntryLogits) && with_logits == kMaxLogitsEntries) break;
       ready_.pop_front();
-      entries.push_back(net::BatchEntry{s.id, uint64_t(s.pos), uint32_t(n), 0});
+      with_logits += (flags & kEntryLogits) ? 1 : 0;
+      fl.entries.push_back(Sent{s.id, uint32_t(n), flags, replay});
+      fl.wire.push_back(BatchEntry{s.id, uint64_t(s.pos), uint32_t(n), flags});
       run.push_back(Stage::BatchEntry{&*s.seq, s.pos, n});
       rows += n;
     }
-    if (entries.empty()) return false;
+    if (fl.entries.empty()) return false;
     const std::size_t E = config_.n_embd;
     if (rows_.size() < rows * E) rows_ = Buffer<float>(std::max(rows, std::size_t(kBatchRows)) * E);
     const auto t0 = SteadyClock::now();
     std::size_t off = 0;
-    for (const net::BatchEntry& e : entries) {
+    for (const Sent& e : fl.entries) {
       Session& s = sessions_.at(e.session);
-      stage_->embed(std::span(s.feed).subspan(s.feed_at, e.rows), rows_.data() + off * E);
+      const std::span<const int32_t> tokens = e.replay ? std::span<const int32_t>(s.fed).subspan(std::size_t(s.pos), e.rows)
+                                                       : std::span<const int32_t>(s.feed).subspan(s.feed_at, e.rows);
+      stage_->embed(tokens, rows_.data() + off * E);
       off += e.rows;
     }
     stage_->forward_batch(run, rows_.data());
     const auto t1 = SteadyClock::now();
-    InFlight fl;
-    fl.sent = t0;
-    for (const net::BatchEntry& e : entries) {
+    for (const Sent& e : fl.entries) {
       Session& s = sessions_.at(e.session);
-      if (s.conv) s.conv->history.insert(s.conv->history.end(), s.feed.begin() + std::ptrdiff_t(s.feed_at),
-                                         s.feed.begin() + std::ptrdiff_t(s.feed_at + e.rows));
-      s.feed_at += e.rows;
+      if (!e.replay) {
+        if (s.conv) s.conv->history.insert(s.conv->history.end(), s.feed.begin() + std::ptrdiff_t(s.feed_at),
+                                           s.feed.begin() + std::ptrdiff_t(s.feed_at + e.rows));
+        s.feed_at += e.rows;
+      }
       s.pos += int64_t(e.rows);
       s.rows_in_flight = e.rows;
       s.state = State::in_flight;
-      fl.entries.emplace_back(e.session, e.rows);
     }
-    net::ModelHeader h;
-    h.type = net::kTypeBatch;
+    ModelHeader h;
     h.seq = next_seq_++;
-    h.session = conn_session_;
     h.rows = uint32_t(rows);
-    h.layer_lo = uint32_t(hops_.front().range.lo);
-    h.layer_hi = uint32_t(hops_.front().range.hi);
+    fl.sent = t1;
+    const std::vector<BatchEntry> wire = fl.wire;
     in_flight_.emplace(h.seq, std::move(fl));
-    if (outstanding_.fetch_add(1) == 0) last_progress_.store(SteadyClock::now().time_since_epoch().count());
-    const std::vector<uint8_t> table = net::encode_batch_table(entries);
     try {
-      const uint64_t sent = net::send_batch(link_->channel(), h, table,
-                                            std::span(reinterpret_cast<const uint8_t*>(rows_.data()), rows * E * 4));
-      link_->count_sent(sent);
+      link_->send_batch(h, wire, std::span(reinterpret_cast<const uint8_t*>(rows_.data()), rows * E * 4));
     } catch (const std::exception& e) {
       defer_loss(e.what());
       return false;
@@ -887,26 +785,107 @@ class ServeEngine {
     return true;
   }
 
-  // The chain is gone: every generation in progress ends with the reason; the next one reconnects.
+  // Ends a generation with the chain's failure; a conversation's next turn rebuilds its session.
+  void fail_session(Session& s, const std::string& why) {
+    if (s.out) {
+      count_end(Finish::error);
+      s.out->end(Finish::error, s.generated, why);
+    }
+    if (s.conv && s.conv->session == s.id) s.conv->session = 0;
+  }
+
+  // The chain is gone. Without resume, every generation in progress ends with the reason and the next
+  // one reconnects. With it: the chain is re-established and every session replayed into it.
   void lose_link(const std::string& why) {
     drop_link();
     {
       std::lock_guard lock(metrics_mu_);
       metrics_.link_error = why;
     }
-    for (auto& [id, s] : sessions_) {
-      if (s.out) {
-        count_end(Finish::error);
-        s.out->end(Finish::error, s.generated, "the pipeline failed: " + why);
-      }
-      if (s.conv && s.conv->session == id) s.conv->session = 0;
-    }
-    sessions_.clear();
     ready_.clear();
     in_flight_.clear();
-    std::lock_guard lock(mu_);
-    replies_.clear();  // answers on the lost connection
-    link_dead_ = false;
+    {
+      std::lock_guard lock(mu_);
+      replies_.clear();  // answers on the lost connection
+      link_dead_ = false;
+    }
+    if (!recording() || !resume(why)) {
+      for (auto& [id, s] : sessions_) fail_session(s, "the pipeline failed: " + why);
+      sessions_.clear();
+    }
+  }
+
+  // Re-establishes the chain within cfg_.resume and reopens every session for its replay. False when
+  // it could not (the sessions are then ended by the caller).
+  bool resume(const std::string& why) {
+    const auto t0 = SteadyClock::now();
+    std::size_t positions = 0;
+    for (auto it = sessions_.begin(); it != sessions_.end();) {
+      Session& s = it->second;
+      if (s.state == State::in_flight && s.rows_in_flight) {  // not answered: fed again after the replay
+        const std::size_t n = s.rows_in_flight;
+        const bool was_replay = s.replaying();
+        if (!was_replay) {
+          s.feed_at -= n;
+          if (s.conv) s.conv->history.resize(s.conv->history.size() - n);
+        }
+        s.rows_in_flight = 0;
+      }
+      if (s.state == State::idle || !s.out) {  // a conversation between turns: its next turn rebuilds it
+        if (s.conv && s.conv->session == s.id) s.conv->session = 0;
+        it = sessions_.erase(it);
+        continue;
+      }
+      s.seq.emplace(stage_->new_sequence());
+      s.pos = 0;
+      s.replay_at = s.steps.empty() ? SIZE_MAX : 0;
+      s.state = State::opening;
+      positions += s.fed.size();
+      ++it;
+    }
+    if (sessions_.empty()) return false;
+    say(why + "\n  resuming: re-establishing the chain and replaying " + std::to_string(positions) + " positions of " +
+        std::to_string(sessions_.size()) + " session(s) into it (for up to " + detail::seconds_text(cfg_.resume) + ")");
+    std::string last = why;
+    auto give_up = [&](const std::string& how) {
+      for (auto& [id, s] : sessions_) fail_session(s, "the pipeline failed: " + why + "; " + how + last);
+      sessions_.clear();
+    };
+    for (int attempt = 0;; ++attempt) {
+      if (SteadyClock::now() - t0 >= cfg_.resume) {
+        give_up("could not resume within " + detail::seconds_text(cfg_.resume) + " (--resume); last error: ");
+        return true;
+      }
+      if (stopping()) return false;
+      if (attempt) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      try {
+        connect();
+        break;
+      } catch (const RefusedError& e) {  // the chain refuses this model or split: retrying cannot help
+        last = e.what();
+        give_up("cannot resume: ");
+        return true;
+      } catch (const AuthError& e) {
+        last = e.what();
+        give_up("cannot resume: ");
+        return true;
+      } catch (const std::exception& e) {
+        last = e.what();
+      }
+    }
+    for (auto& [id, s] : sessions_) send_open(s);
+    const double took = std::chrono::duration<double>(SteadyClock::now() - t0).count();
+    say("resumed in " + std::to_string(int64_t(took * 1e3)) + " ms: new connection " + to_hex_u64(link_->connection()) +
+        ", " + std::to_string(positions) + " positions to replay");
+    std::lock_guard lock(metrics_mu_);
+    ++metrics_.resumes;
+    metrics_.replayed_positions += positions;
+    metrics_.resume_s += took;
+    return true;
+  }
+
+  void say(const std::string& line) const {
+    if (cfg_.log) cfg_.log(line);
   }
 
   void publish_gauges() {
@@ -921,31 +900,22 @@ class ServeEngine {
     metrics_.bytes_received = metrics_.bytes_received_base + (link_ ? link_->bytes_received() : 0);
   }
 
-  ServeConfig cfg_;
-  std::shared_ptr<const Model> model_;
+  CoordinatorConfig cfg_;
   Config config_;
-  net::ModelIdentity id_;
+  ModelIdentity id_;
   uint32_t ctx_ = 0;
-  const Tokenizer* tok_ = nullptr;  // model_'s, if it has one
-  std::vector<net::Hop> hops_;
+  const Tokenizer* tok_ = nullptr;  // the model's, if it has one
+  std::vector<Hop> hops_;
   std::unique_ptr<Stage> stage_;
-  net::Welcome welcome_;
-
-  // The link (the scheduler thread sends, the reader thread reads).
-  std::unique_ptr<net::ModelLink> link_;
-  uint64_t conn_session_ = 0;
-  net::Millis reply_wait_{10000};
-  std::thread reader_;
-  std::atomic<bool> reader_stop_{false};
-  std::atomic<int64_t> outstanding_{0};     // frames sent that the chain still owes a reply
-  std::atomic<int64_t> last_progress_{0};   // steady_clock ticks of the last reply (or the first send)
+  Welcome welcome_;
+  std::unique_ptr<MuxLink> link_;
 
   // Inbox (under mu_).
   std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false;
   std::deque<Submission> submits_;
-  std::deque<Reply> replies_;
+  std::deque<ChainReply> replies_;
   std::vector<std::shared_ptr<Conversation>> conv_ends_;
   bool link_dead_ = false, cancel_seen_ = false;
   std::string link_error_;
@@ -960,7 +930,7 @@ class ServeEngine {
   uint32_t next_seq_ = 1;
   Buffer<float> rows_;  // [rows, n_embd] one batch's residual
 
-  struct Counters : EngineMetrics {
+  struct Counters : CoordinatorMetrics {
     uint64_t bytes_sent_base = 0, bytes_received_base = 0;  // of links already closed
   };
   mutable std::mutex metrics_mu_;
@@ -969,4 +939,4 @@ class ServeEngine {
   SteadyClock::time_point started_ = SteadyClock::now();
 };
 
-}  // namespace pp::node
+}  // namespace pp::net

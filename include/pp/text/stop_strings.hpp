@@ -7,7 +7,7 @@
 #include <utility>
 #include <vector>
 
-namespace pp::node {
+namespace pp {
 
 // Text arrives in pieces (whole UTF-8 characters from StreamDecoder). A piece is held back only while
 // the text's end could still be the beginning of a stop string, so a stop string can never begin
@@ -57,4 +57,4 @@ class StopMatcher {
   bool stopped_ = false;
 };
 
-}  // namespace pp::node
+}  // namespace pp

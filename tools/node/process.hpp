@@ -1,0 +1,34 @@
+// What every pp_node mode shares with the process: the stop flag set by SIGINT/SIGTERM, and the worker log.
+#pragma once
+
+#include <signal.h>
+
+#include <atomic>
+#include <iostream>
+#include <mutex>
+#include <string>
+
+namespace pp::node {
+
+// Set by SIGINT/SIGTERM; accept loops and generations poll it.
+inline std::atomic<bool> g_stop_requested{false};
+static_assert(std::atomic<bool>::is_always_lock_free);
+extern "C" inline void on_stop_signal(int) { g_stop_requested.store(true); }
+
+inline void install_stop_handlers() {
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = 0;  // no SA_RESTART: poll() returns EINTR and the loop sees the flag at once
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+}
+
+// Called from every connection thread (and several workers in a self-test): one line at a time.
+inline void worker_log(const std::string& line) {
+  static std::mutex mutex;
+  std::lock_guard lock(mutex);
+  std::cerr << "pp_node worker: " << line << std::endl;
+}
+
+}  // namespace pp::node
