@@ -1,4 +1,5 @@
-// Test helpers for pp_node's version-2 (real-model) mode: model workers as processes, a raw frame client that can authenticate.
+// Test helpers for pp_node's version-2 (real-model) mode: model workers as processes, a raw frame client that can
+// authenticate, and the frames of a multiplexed connection (HELLO with mux=1, OPEN, BATCH, CLOSE) built by hand.
 #pragma once
 
 #include <algorithm>
@@ -23,6 +24,8 @@
 #include "pp/net/frame.hpp"
 #include "pp/net/handshake.hpp"
 #include "pp/net/model_frame.hpp"
+#include "pp/net/mux_frame.hpp"
+#include "pp/text/sampler.hpp"
 
 namespace pp::test {
 
@@ -152,6 +155,70 @@ inline std::optional<V2Frame> handshake(V2Client& c, const pp::net::Hello& h, ui
   return c.read_frame(Millis{10000});
 }
 
+// ---------------------------------------------------------------- multiplexed connections, raw
+
+// HELLO with mux=1 on `c` and its answer: WELCOME (with mux=1 when every stage accepted) or ERR. `connection`
+// is the HELLO's session id: every BATCH on the connection carries it.
+inline std::optional<V2Frame> mux_handshake(V2Client& c, pp::net::Hello h, uint64_t connection = 42) {
+  h.mux = true;
+  return handshake(c, h, connection);
+}
+
+// OPEN of `session` with `sampling` (default: argmax), and its answer: OPEN (the last stage's ack) or ERR.
+inline std::optional<V2Frame> mux_open(V2Client& c, uint64_t session, const pp::SamplingParams& sampling = {},
+                                       uint32_t seq = 0) {
+  pp::net::ModelHeader h;
+  h.type = pp::net::kTypeOpen;
+  h.session = session;
+  h.seq = seq;
+  const std::string text = pp::net::encode_sampling(sampling);
+  if (!c.send_frame(h, std::vector<uint8_t>(text.begin(), text.end()))) return std::nullopt;
+  return c.read_frame(Millis{10000});
+}
+
+// CLOSE of `session` (no reply).
+inline bool mux_close(V2Client& c, uint64_t session) {
+  pp::net::ModelHeader h;
+  h.type = pp::net::kTypeClose;
+  h.session = session;
+  return c.send_frame(h, {});
+}
+
+// A BATCH header on `connection` for the receiver's layers [lo, hi): rows = the entries' rows, payload_bytes
+// the size of a well-formed payload (a test may overwrite either to lie).
+inline pp::net::ModelHeader batch_header(uint64_t connection, uint32_t lo, uint32_t hi, uint32_t seq,
+                                         const std::vector<pp::net::BatchEntry>& entries, uint32_t n_embd) {
+  pp::net::ModelHeader h;
+  h.type = pp::net::kTypeBatch;
+  h.session = connection;
+  h.layer_lo = lo, h.layer_hi = hi;
+  h.seq = seq;
+  uint64_t rows = 0;
+  for (const pp::net::BatchEntry& e : entries) rows += e.rows;
+  h.rows = static_cast<uint32_t>(rows);
+  h.payload_bytes = static_cast<uint32_t>(pp::net::batch_payload_bytes(entries.size(), rows, n_embd));
+  return h;
+}
+
+// The bytes of a BATCH: `h` as given, the entry table, then `rows` (little-endian f32, each entry's rows in
+// entry order).
+inline std::vector<uint8_t> batch_bytes(const pp::net::ModelHeader& h, const std::vector<pp::net::BatchEntry>& entries,
+                                        const std::vector<float>& rows) {
+  const auto head = pp::net::encode_model_header(h);
+  std::vector<uint8_t> b(head.begin(), head.end());
+  const std::vector<uint8_t> table = pp::net::encode_batch_table(entries);
+  b.insert(b.end(), table.begin(), table.end());
+  const auto* p = reinterpret_cast<const uint8_t*>(rows.data());
+  b.insert(b.end(), p, p + rows.size() * 4);
+  return b;
+}
+
+// A well-formed BATCH of `entries` with `rows` ([sum of the entries' rows, n_embd] values), sent whole.
+inline bool send_batch(V2Client& c, uint64_t connection, uint32_t lo, uint32_t hi, uint32_t seq,
+                       const std::vector<pp::net::BatchEntry>& entries, const std::vector<float>& rows, uint32_t n_embd) {
+  return c.send(batch_bytes(batch_header(connection, lo, hi, seq, entries, n_embd), entries, rows));
+}
+
 // STATUS of the worker at `port` (authenticating first when a key is given).
 inline std::map<std::string, std::string> worker_status(uint16_t port, const pp::net::PresharedKey* key = nullptr) {
   V2Client c(port);
@@ -159,20 +226,37 @@ inline std::map<std::string, std::string> worker_status(uint16_t port, const pp:
   return c.status();
 }
 
-inline std::size_t active_sessions(uint16_t port, const pp::net::PresharedKey* key = nullptr) {
+// A count from the worker's STATUS (SIZE_MAX when absent): `sessions_active` counts connections that
+// completed a HELLO, multiplexed ones included; `mux_sessions_active` the sessions opened on those.
+inline std::size_t status_count(uint16_t port, const std::string& name, const pp::net::PresharedKey* key = nullptr) {
   const auto kv = worker_status(port, key);
-  const auto it = kv.find("sessions_active");
+  const auto it = kv.find(name);
   return it == kv.end() ? SIZE_MAX : std::stoul(it->second);
 }
 
-// True once the worker reports `want` active sessions, within `timeout` (scaled to the host).
-inline bool wait_sessions(uint16_t port, std::size_t want, Millis timeout, const pp::net::PresharedKey* key = nullptr) {
+inline std::size_t active_sessions(uint16_t port, const pp::net::PresharedKey* key = nullptr) {
+  return status_count(port, "sessions_active", key);
+}
+
+// True once the worker's STATUS reports `want` for `name`, within `timeout` (scaled to the host).
+inline bool wait_count(uint16_t port, const std::string& name, std::size_t want, Millis timeout,
+                       const pp::net::PresharedKey* key = nullptr) {
   const auto deadline = Clock::now() + slack(timeout);
-  while (active_sessions(port, key) != want) {
+  while (status_count(port, name, key) != want) {
     if (Clock::now() > deadline) return false;
     std::this_thread::sleep_for(Millis{20});
   }
   return true;
+}
+
+// True once the worker reports `want` active sessions, within `timeout` (scaled to the host).
+inline bool wait_sessions(uint16_t port, std::size_t want, Millis timeout, const pp::net::PresharedKey* key = nullptr) {
+  return wait_count(port, "sessions_active", want, timeout, key);
+}
+
+// True once the worker reports `want` sessions open on its multiplexed connections, within `timeout`.
+inline bool wait_mux_sessions(uint16_t port, std::size_t want, Millis timeout, const pp::net::PresharedKey* key = nullptr) {
+  return wait_count(port, "mux_sessions_active", want, timeout, key);
 }
 
 }  // namespace pp::test

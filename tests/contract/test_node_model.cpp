@@ -37,6 +37,7 @@
 #include "pp/net/handshake.hpp"
 #include "pp/net/model_frame.hpp"
 #include "pp/net/model_link.hpp"
+#include "pp/net/mux_frame.hpp"
 #include "pp/net/sha256.hpp"
 #include "pp/text/sampler.hpp"
 #include "pp/text/tokenizer.hpp"
@@ -165,15 +166,20 @@ using pp::test::active_sessions;
 using pp::test::handshake;
 using pp::test::hello_for;
 using pp::test::identity_of;
+using pp::test::mux_close;
+using pp::test::mux_handshake;
+using pp::test::mux_open;
+using pp::test::status_count;
 using pp::test::V2Client;
 using pp::test::V2Frame;
+using pp::test::wait_mux_sessions;
 using pp::test::wait_sessions;
 
 // ================================================================ frame and handshake units
 
 TEST(ModelFrame, HeaderLayoutIsTheDocumentedOne) {
   pp::net::ModelHeader h;
-  h.type = pp::net::kTypeFwd;
+  h.type = pp::net::kTypeBatch;
   h.seq = 0x01020304;
   h.layer_lo = 8;
   h.layer_hi = 16;
@@ -181,9 +187,9 @@ TEST(ModelFrame, HeaderLayoutIsTheDocumentedOne) {
   h.session = 0x1122334455667788ull;
   h.pos = 0x0000000100000002ull;
   h.rows = 3;
-  h.flags = pp::net::kFlagDigest;
+  h.flags = 1;  // the codec carries any flags byte; what a frame type allows is its own check
   const auto b = pp::net::encode_model_header(h);
-  const std::vector<uint8_t> want = {'P', 'C', 'P', 'L', 2, 1, 0, 0, 1, 2, 3, 4, 0, 0, 0, 8, 0, 0, 0, 16, 0, 0, 0x20, 0,
+  const std::vector<uint8_t> want = {'P', 'C', 'P', 'L', 2, 8, 0, 0, 1, 2, 3, 4, 0, 0, 0, 8, 0, 0, 0, 16, 0, 0, 0x20, 0,
                                      0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88, 0, 0, 0, 1, 0, 0, 0, 2,
                                      0, 0, 0, 3, 0, 1, 0, 0};
   EXPECT_EQ(std::vector<uint8_t>(b.begin(), b.end()), want);
@@ -195,29 +201,39 @@ TEST(ModelFrame, HeaderLayoutIsTheDocumentedOne) {
   EXPECT_EQ(back.seq, h.seq);
 }
 
-TEST(ModelFrame, FwdBoundsEachRejection) {
-  const pp::net::ModelGeometry g{64, 512, 128};
+// The BATCH refusals test_serve_parts (BatchFrame.TableRoundTripsAndEveryCheckRefuses) leaves out or checks
+// only for a throw: each names the field, its value and the limit.
+TEST(ModelFrame, BatchBoundsNameFieldValueAndLimit) {
+  using pp::net::BatchEntry;
   pp::net::ModelHeader ok;
-  ok.type = pp::net::kTypeFwd, ok.session = 9, ok.layer_lo = 2, ok.layer_hi = 4, ok.rows = 2, ok.payload_bytes = 2 * 64 * 4;
-  EXPECT_NO_THROW(pp::net::check_fwd_v2(ok, g, 2, 4, 9));
-  auto refused = [&](auto mutate, const std::string& needle) {
-    pp::net::ModelHeader m = ok;
-    mutate(m);
+  ok.type = pp::net::kTypeBatch, ok.seq = 3, ok.session = 9, ok.layer_lo = 2, ok.layer_hi = 4, ok.rows = 2;
+  ok.payload_bytes = uint32_t(pp::net::batch_payload_bytes(2, 2, 64));
+  const std::vector<BatchEntry> entries = {{11, 0, 1, 0}, {12, uint64_t{1} << 40, 1, 0}};  // pos 2^40: the limit
+  EXPECT_NO_THROW(pp::net::check_batch_count(ok, 2, 64));
+  EXPECT_NO_THROW(pp::net::check_batch_entries(ok, entries));
+  auto refused = [](auto check, const std::string& needle) {
     try {
-      pp::net::check_fwd_v2(m, g, 2, 4, 9);
+      check();
       ADD_FAILURE() << "accepted; expected: " << needle;
     } catch (const pp::FrameError& e) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
     }
   };
-  refused([](auto& m) { m.session = 8; }, "session 8 != this connection's session 9");
-  refused([](auto& m) { m.layer_lo = 1; }, "layers [1, 4) != the range assigned in the handshake [2, 4)");
-  refused([](auto& m) { m.dtype = 1; }, "dtype 1 is not f32");
-  refused([](auto& m) { m.flags = 4; }, "unknown bits");
-  refused([](auto& m) { m.rows = 0; }, "rows 0 outside [1, 128]");
-  refused([](auto& m) { m.rows = 129, m.payload_bytes = 129 * 256; }, "rows 129 outside [1, 128]");
-  refused([](auto& m) { m.payload_bytes = 0xFFFFFFFFu; }, "payload_bytes 4294967295 != rows 2 x hidden 64 x 4 = 512");
-  refused([](auto& m) { m.pos = ~uint64_t{0}; }, "pos 18446744073709551615 > limit");
+  auto count = [&](pp::net::ModelHeader m, uint32_t n) { return [=] { pp::net::check_batch_count(m, n, 64); }; };
+  auto table = [&](std::vector<BatchEntry> es) { return [=] { pp::net::check_batch_entries(ok, es); }; };
+  refused(count(ok, 0), "BATCH seq 3: n_entries 0 outside [1, min(rows 2, 256)]");
+  refused(count(ok, 3), "BATCH seq 3: n_entries 3 outside [1, min(rows 2, 256)]");
+  pp::net::ModelHeader tall = ok;  // more rows than the entry limit: the limit is 256 entries
+  tall.rows = 300, tall.payload_bytes = uint32_t(pp::net::batch_payload_bytes(257, 300, 64));
+  refused(count(tall, 257), "BATCH seq 3: n_entries 257 outside [1, min(rows 300, 256)]");
+  refused(count([&] { auto m = ok; m.payload_bytes = 0xFFFFFFFFu; return m; }(), 2),
+          "BATCH seq 3: payload_bytes 4294967295 != 4 + 2 entries x 24 + rows 2 x hidden 64 x 4 = 564");
+  refused(table({{11, 0, 0, 0}, {12, 0, 2, 0}}), "BATCH seq 3: entry 0 (session 11): rows 0");
+  refused(table({{11, 0, 1, 0}, {12, (uint64_t{1} << 40) + 1, 1, 0}}),
+          "BATCH seq 3: entry 1 (session 12): pos 1099511627777 > limit 2^40");
+  refused(table({{11, 0, 1, 0}, {12, ~uint64_t{0}, 1, 0}}), "entry 1 (session 12): pos 18446744073709551615 > limit 2^40");
+  refused(table({{11, 0, 1, 0}, {11, 1, 1, 0}}), "BATCH seq 3: entry 1 (session 11): the session appears twice");
+  refused(table({{11, 0, 1, 0}, {12, 0, 2, 0}}), "BATCH seq 3: the entries' rows add up to 3, the header says 2");
 }
 
 TEST(Handshake, FingerprintIsTheHeaderAndDirectoryOnly) {
@@ -402,18 +418,34 @@ TEST(ModelNode, SessionCountDropsWhenASessionEnds) {
   auto w = start_node_worker(golden("f32"));
   ASSERT_TRUE(w);
   EXPECT_EQ(active_sessions(w->port), 0u);
+  // Two multiplexed connections: a with sessions 11 and 12, b with session 21.
   auto a = std::make_unique<V2Client>(w->port);
   auto b = std::make_unique<V2Client>(w->port);
-  auto wa = handshake(*a, hello_for(golden("f32"), w->port, 2, 4, 2), 1);
-  auto wb = handshake(*b, hello_for(golden("f32"), w->port, 1, 4, 1), 2);
+  auto wa = mux_handshake(*a, hello_for(golden("f32"), w->port, 2, 4, 2), 1);
+  auto wb = mux_handshake(*b, hello_for(golden("f32"), w->port, 1, 4, 1), 2);
   ASSERT_TRUE(wa && wb);
-  EXPECT_EQ(wa->m.type, pp::net::kTypeWelcome) << wa->text();
-  EXPECT_EQ(wb->m.type, pp::net::kTypeWelcome) << wb->text();
+  ASSERT_EQ(wa->m.type, pp::net::kTypeWelcome) << wa->text();
+  ASSERT_EQ(wb->m.type, pp::net::kTypeWelcome) << wb->text();
+  EXPECT_TRUE(pp::net::decode_welcome(wa->text()).mux) << wa->text();
+  for (auto [c, s] : {std::pair{a.get(), 11}, std::pair{a.get(), 12}, std::pair{b.get(), 21}}) {
+    const auto ack = mux_open(*c, uint64_t(s));
+    ASSERT_TRUE(ack);
+    EXPECT_EQ(ack->m.type, pp::net::kTypeOpen) << ack->text();
+    EXPECT_EQ(ack->m.session, uint64_t(s));
+  }
+  EXPECT_EQ(active_sessions(w->port), 2u);  // the connections
+  EXPECT_EQ(status_count(w->port, "mux_sessions_active"), 3u);
+  ASSERT_TRUE(mux_close(*a, 12));  // CLOSE frees that session only
+  EXPECT_TRUE(wait_mux_sessions(w->port, 2, 3s));
   EXPECT_EQ(active_sessions(w->port), 2u);
-  a.reset();
+  a.reset();  // an orderly end frees the connection's sessions
   EXPECT_TRUE(wait_sessions(w->port, 1, 3s));
-  b->reset();  // an abrupt end frees the session too
+  EXPECT_TRUE(wait_mux_sessions(w->port, 1, 3s));
+  b->reset();  // an abrupt end frees them too
   EXPECT_TRUE(wait_sessions(w->port, 0, 3s));
+  EXPECT_TRUE(wait_mux_sessions(w->port, 0, 3s));
+  EXPECT_EQ(status_count(w->port, "mux_sessions_total"), 3u);
+  EXPECT_TRUE(w->proc->wait_stderr("1 session(s) freed as the connection ended", 3s)) << w->proc->err();
   EXPECT_TRUE(w->proc->wait_stderr("ended (0 active)", 3s)) << w->proc->err();
 }
 
@@ -852,37 +884,55 @@ TEST(FaultModel, RandomBytesCloseThatConnectionOnly) {
   expect_passed(r, 4, 4);
 }
 
+// A BATCH whose header (or, once the header passed, entry count) is outside a bound is refused before the rest
+// of its payload is read or any buffer sized by it is made: the header alone (or the header and the count)
+// draws the ERR, which names the field, its value and the limit, and the connection closes.
 TEST(FaultModel, OversizedFramesRefusedBeforeAllocation) {
   auto w = start_node_worker(golden("f32"), {"--max-ctx", "64"});
   ASSERT_TRUE(w);
+  const uint32_t one_row = uint32_t(pp::net::batch_payload_bytes(1, 1, 64));  // 4 + 24 + 256
   struct Case {
     uint32_t rows, payload_bytes;
+    std::optional<uint32_t> n_entries;  // sent after the header when set; nothing else follows
     std::string needle;
   };
-  for (const Case& c : {Case{1, 0xFFFFFFFFu, "payload_bytes 4294967295 != rows 1 x hidden 64 x 4 = 256"},
-                        Case{65, 65 * 256, "rows 65 outside [1, 64]"},
-                        Case{0x40000000u, 0, "rows 1073741824 outside [1, 64]"}}) {
+  for (const Case& c : {Case{1, 0xFFFFFFFFu, 1, "payload_bytes 4294967295 != 4 + 1 entries x 24 + rows 1 x hidden 64 x 4 = 284"},
+                        Case{1, one_row, 0xFFFFFFFFu, "n_entries 4294967295 outside [1, min(rows 1, 256)]"},
+                        Case{1, 10, std::nullopt, "payload_bytes 10 < 284 (one entry and 1 rows)"},
+                        Case{65, uint32_t(pp::net::batch_payload_bytes(1, 65, 64)), std::nullopt,
+                             "rows 65 outside [1, 64] (the KV capacity)"},
+                        Case{0x40000000u, 0, std::nullopt, "rows 1073741824 outside [1, 64]"}}) {
+    SCOPED_TRACE(c.needle);
     V2Client cl(w->port);
     pp::net::Hello h = hello_for(golden("f32"), w->port, 2, 4, 2);
     h.ctx = 64;
-    const auto wel = handshake(cl, h, 77);
+    const auto wel = mux_handshake(cl, h, 77);
     ASSERT_TRUE(wel);
     ASSERT_EQ(wel->m.type, pp::net::kTypeWelcome) << wel->text();
-    pp::net::ModelHeader f;
-    f.type = pp::net::kTypeFwd, f.session = 77, f.layer_lo = 2, f.layer_hi = 4, f.rows = c.rows;
-    const auto head = pp::net::encode_model_header([&] { auto g = f; g.payload_bytes = c.payload_bytes; return g; }());
-    ASSERT_TRUE(cl.send(std::vector<uint8_t>(head.begin(), head.end())));  // the header only: no payload follows
+    const auto ack = mux_open(cl, 5);
+    ASSERT_TRUE(ack);
+    ASSERT_EQ(ack->m.type, pp::net::kTypeOpen) << ack->text();
+    pp::net::ModelHeader f = pp::test::batch_header(77, 2, 4, 9, {{5, 0, 1, 0}}, 64);
+    f.rows = c.rows, f.payload_bytes = c.payload_bytes;
+    const auto head = pp::net::encode_model_header(f);
+    std::vector<uint8_t> b(head.begin(), head.end());
+    if (c.n_entries) b.insert(b.end(), {uint8_t(*c.n_entries >> 24), uint8_t(*c.n_entries >> 16),
+                                        uint8_t(*c.n_entries >> 8), uint8_t(*c.n_entries)});
+    ASSERT_TRUE(cl.send(b));  // no more of the payload follows
     const auto e = cl.read_frame(3s);
     ASSERT_TRUE(e) << "no ERR before the payload";
     EXPECT_EQ(e->m.type, pp::net::kTypeErr);
-    EXPECT_NE(e->text().find(c.needle), std::string::npos) << e->text();
+    EXPECT_EQ(e->m.session, 77u) << "a refused BATCH ends the connection: the ERR carries the connection's session";
+    EXPECT_NE(e->text().find("BATCH seq 9: " + c.needle), std::string::npos) << e->text();
     EXPECT_TRUE(cl.closed_by_peer(3s));
   }
+  EXPECT_TRUE(wait_sessions(w->port, 0, 3s));
+  EXPECT_TRUE(wait_mux_sessions(w->port, 0, 3s));
   // A ctx larger than the worker allows is refused in the handshake.
   V2Client cl(w->port);
   pp::net::Hello h = hello_for(golden("f32"), w->port, 2, 4, 2);
   h.ctx = 65;
-  const auto e = handshake(cl, h);
+  const auto e = mux_handshake(cl, h);
   ASSERT_TRUE(e);
   EXPECT_NE(e->text().find("ctx 65 outside [1, 64] (this worker's --max-ctx)"), std::string::npos) << e->text();
   EXPECT_TRUE(w->proc->running());
@@ -906,21 +956,26 @@ TEST(FaultModel, ResetMidFrameEndsThatSessionOnly) {
   ASSERT_TRUE(w);
   {
     V2Client cl(w->port);
-    const auto wel = handshake(cl, hello_for(golden("f32"), w->port, 2, 4, 2), 5);
+    const auto wel = mux_handshake(cl, hello_for(golden("f32"), w->port, 2, 4, 2), 5);
     ASSERT_TRUE(wel);
     ASSERT_EQ(wel->m.type, pp::net::kTypeWelcome) << wel->text();
+    const auto ack = mux_open(cl, 6);
+    ASSERT_TRUE(ack);
+    ASSERT_EQ(ack->m.type, pp::net::kTypeOpen) << ack->text();
     EXPECT_EQ(active_sessions(w->port), 1u);
-    pp::net::ModelHeader f;
-    f.type = pp::net::kTypeFwd, f.session = 5, f.layer_lo = 2, f.layer_hi = 4, f.rows = 1, f.payload_bytes = 256;
-    const auto head = pp::net::encode_model_header(f);
-    std::vector<uint8_t> half(head.begin(), head.end());
-    half.resize(half.size() + 100, 0);
-    ASSERT_TRUE(cl.send(half));
+    EXPECT_EQ(status_count(w->port, "mux_sessions_active"), 1u);
+    // Header, entry table, then 100 of the row's 256 bytes.
+    const std::vector<pp::net::BatchEntry> entries = {{6, 0, 1, 0}};
+    std::vector<uint8_t> part = pp::test::batch_bytes(pp::test::batch_header(5, 2, 4, 0, entries, 64), entries,
+                                                      std::vector<float>(64, 0.0f));
+    part.resize(part.size() - 256 + 100);
+    ASSERT_TRUE(cl.send(part));
     std::this_thread::sleep_for(slack(100ms));  // the worker reads the partial payload before the reset
     cl.reset();
   }
   EXPECT_TRUE(wait_sessions(w->port, 0, 3s));
-  EXPECT_TRUE(w->proc->wait_stderr("connection reset by peer while reading FWD payload (100 of 256 bytes)", 3s))
+  EXPECT_TRUE(wait_mux_sessions(w->port, 0, 3s));
+  EXPECT_TRUE(w->proc->wait_stderr("connection reset by peer while reading BATCH rows (100 of 256 bytes)", 3s))
       << w->proc->err();
   const auto r = run(node_argv({"--coordinator", w->addr(), "--model", golden("f32"), "--prompt-ids", "1,2", "--tokens",
                                 "4", "--threads", "1", "--verify", "all"}));

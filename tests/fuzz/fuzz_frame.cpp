@@ -1,10 +1,11 @@
 // libFuzzer target: bytes from a peer -> PCPL frame decoding, bounds checks, handshake texts, placeholder serving.
 //
-// 1. frame.hpp / model_frame.hpp: decode_header, decode_frame, check_fwd_v1, decode_model_header,
-//    check_fwd_v2; whatever decodes must re-encode to the same bytes, whatever a check accepts must be
-//    within its limits.
-// 2. mux_frame.hpp: a version-2 BATCH through check_batch_header / check_batch_count / its entry
-//    table / check_batch_entries, whose acceptance must imply the documented bounds.
+// 1. frame.hpp / model_frame.hpp: decode_header, decode_frame, check_fwd_v1, decode_model_header;
+//    whatever decodes must re-encode to the same bytes, whatever a check accepts must be within its limits.
+// 2. mux_frame.hpp: a version-2 BATCH (the only version-2 frame that carries residual rows) through
+//    check_batch_header / check_batch_count / its entry table / check_batch_entries, whose acceptance
+//    must imply the documented bounds; against the frame's own range and session, and against another
+//    assignment (which must refuse).
 // 3. handshake.hpp: a version-2 HELLO / WELCOME / STATUS / OPEN payload (or, failing that, the whole
 //    input) as handshake text; whatever decodes must survive encode -> decode unchanged and check_hello.
 // 4. placeholder_worker.hpp: the whole input as the byte stream of one connection, served by
@@ -81,17 +82,6 @@ void frames(std::span<const uint8_t> bytes) {
   for (std::size_t i = 0; i < encoded.size(); ++i)
     if (i != 6 && i != 7 && i != 46 && i != 47 && encoded[i] != bytes[i])
       fail("encode_model_header(decode_model_header(b)) != b");
-  const net::ModelGeometry g{.n_embd = 16, .n_vocab = 32, .ctx = 64};
-  for (const bool own_range : {false, true}) {
-    try {
-      // Against an unrelated assignment, and against the frame's own range and session (deeper checks).
-      net::check_fwd_v2(m, g, own_range ? m.layer_lo : 0, own_range ? m.layer_hi : 4, own_range ? m.session : 7);
-      if (m.rows == 0 || m.rows > g.ctx || m.dtype != net::kDTypeF32 || (m.flags & ~net::kKnownFlags) ||
-          m.payload_bytes != uint64_t(m.rows) * g.n_embd * 4)
-        fail("check_fwd_v2 accepted a header outside its limits");
-    } catch (const pp::FrameError&) {
-    }
-  }
 }
 
 // A BATCH: header checks, then the entry count, the table and the entries, as a mux worker reads them.
@@ -107,6 +97,17 @@ void batch(std::span<const uint8_t> bytes) {
   }
   const net::ModelGeometry g{.n_embd = 4, .n_vocab = 32, .ctx = 64};
   const std::span<const uint8_t> payload = bytes.subspan(net::kModelHeaderBytes);
+  try {
+    // Another connection's session or another range is refused whatever else the header says.
+    net::check_batch_header(m, g, m.layer_lo, m.layer_hi, m.session ^ 1);
+    fail("check_batch_header accepted a BATCH of another connection");
+  } catch (const pp::FrameError&) {
+  }
+  try {
+    net::check_batch_header(m, g, m.layer_lo + 1, m.layer_hi, m.session);
+    fail("check_batch_header accepted a BATCH for another layer range");
+  } catch (const pp::FrameError&) {
+  }
   try {
     net::check_batch_header(m, g, m.layer_lo, m.layer_hi, m.session);
     if (m.rows == 0 || m.rows > g.ctx || m.flags != 0 || m.dtype != net::kDTypeF32)

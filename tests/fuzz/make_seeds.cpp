@@ -478,18 +478,9 @@ void frame_seeds(const fs::path& dir) {
   seed("v2-welcome", v2(m, net::encode_welcome(welcome)));
   m.type = net::kTypeStatus;
   seed("v2-status", v2(m, ""));
-  m.type = net::kTypeFwd, m.layer_lo = 0, m.layer_hi = 4, m.rows = 2, m.pos = 5, m.flags = net::kFlagDigest;
   {
-    const std::string rows(2 * 16 * 4, '\0');
-    Bytes fwd = v2(m, rows);
-    seed("v2-fwd", fwd);
-    m.flags = 0x80, m.dtype = 1;
-    seed("v2-fwd-bad-flags-dtype", v2(m, rows));
-  }
-  m.type = net::kTypeRes, m.flags = net::kFlagDigest | net::kFlagLogits, m.dtype = 0;
-  seed("v2-res", v2(m, std::string(4 + 32 + 32 * 4, '\x01')));
-  {
-    // A BATCH of two sessions (1 + 2 rows of 4 values), and an OPEN with sampling parameters.
+    // A BATCH of two sessions (1 + 2 rows of 4 values), the same with a bad header flags byte and dtype,
+    // one whose entry count is far past the limit, its BRES, and an OPEN with sampling parameters.
     net::ModelHeader b;
     b.type = net::kTypeBatch, b.seq = 9, b.layer_lo = 0, b.layer_hi = 2, b.session = 5, b.rows = 3;
     const std::vector<net::BatchEntry> entries = {{11, 0, 1, 0}, {12, 7, 2, 0}};
@@ -497,6 +488,14 @@ void frame_seeds(const fs::path& dir) {
     std::string payload(table.begin(), table.end());
     payload.append(3 * 4 * 4, '\0');
     seed("v2-batch", v2(b, payload));
+    b.flags = 0x80, b.dtype = 1;
+    seed("v2-batch-bad-flags-dtype", v2(b, payload));
+    b.flags = 0, b.dtype = 0;
+    std::string huge = payload;
+    huge[0] = huge[1] = huge[2] = huge[3] = '\xff';
+    seed("v2-batch-huge-count", v2(b, huge));
+    b.type = net::kTypeBatchRes, b.rows = 2;
+    seed("v2-bres", v2(b, std::string(2 * 4, '\x01')));
     net::ModelHeader o;
     o.type = net::kTypeOpen, o.session = 11;
     seed("v2-open", v2(o, net::encode_sampling(hello.sampling)));
