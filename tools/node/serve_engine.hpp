@@ -419,7 +419,8 @@ class ServeEngine {
         }
         Reply r;
         r.h = net::read_extension(ch, *fh);
-        const uint32_t limit = r.h.type == net::kTypeBatchRes ? 4 * net::kMaxBatchEntries : net::kMaxTextPayload;
+        const uint64_t limit =
+            r.h.type == net::kTypeBatchRes ? net::max_batch_res_bytes(uint32_t(config_.n_vocab)) : net::kMaxTextPayload;
         if (r.h.type != net::kTypeBatchRes && r.h.type != net::kTypeOpen && r.h.type != net::kTypeErr &&
             r.h.type != net::kTypeStatus)
           throw FrameError(who + ": sent " + net::mux_type_name(r.h.type) + " on the multiplexed connection");
@@ -748,10 +749,12 @@ class ServeEngine {
     if (fl == in_flight_.end()) return defer_loss("BRES seq " + std::to_string(r.h.seq) + " answers no batch in flight");
     const InFlight batch = std::move(fl->second);
     in_flight_.erase(fl);
-    if (r.payload.size() != 4 * batch.entries.size())
-      return defer_loss("BRES seq " + std::to_string(r.h.seq) + ": " + std::to_string(r.payload.size()) +
-                       " bytes for " + std::to_string(batch.entries.size()) + " entries");
-    const std::vector<int32_t> tokens = net::decode_batch_res(r.payload);
+    std::vector<net::EntryResult> res;
+    try {  // the engine sends every entry with flags 0: a token each
+      res = net::decode_batch_res(r.payload, std::vector<net::BatchEntry>(batch.entries.size()), uint32_t(config_.n_vocab));
+    } catch (const FrameError& e) {
+      return defer_loss(std::string(e.what()) + " (seq " + std::to_string(r.h.seq) + ")");
+    }
     uint64_t produced = 0;
     for (std::size_t i = 0; i < batch.entries.size(); ++i) {
       const auto it = sessions_.find(batch.entries[i].first);
@@ -774,7 +777,7 @@ class ServeEngine {
         continue;
       }
       ++produced;
-      on_token(s, tokens[i]);
+      on_token(s, res[i].token);
     }
     std::lock_guard lock(metrics_mu_);
     metrics_.batch_round_trip_s += std::chrono::duration<double>(SteadyClock::now() - batch.sent).count();
