@@ -570,6 +570,207 @@ TEST(Handshake, OverlappingAndGappedRangesAreRefused) {
   EXPECT_EQ(active_sessions(w->port), 0u);
 }
 
+// Entry flags on the multiplexed protocol: through a real 2-worker chain, the entry that asks gets the
+// digest and the logits of its sampled position, bit-identical to LocalPipeline; the one that asks
+// nothing gets its 4-byte token only.
+TEST(MuxEntryFlags, DigestAndLogitsPerEntryMatchLocalPipeline) {
+  namespace net = pp::net;
+  const std::string model = golden("f32");
+  const std::vector<int> cuts = {1, 2};  // this test runs [0, 1) as a coordinator does; workers [1, 2), [2, 4)
+  auto ws = start_workers(model, 2);
+  ASSERT_EQ(ws.size(), 2u);
+  const net::ModelIdentity id = identity_of(model);
+  const uint32_t V = id.n_vocab, E = id.n_embd;
+  const int n_layer = int(id.n_layer);
+  ASSERT_EQ(n_layer, 4);
+
+  constexpr uint64_t kConn = 42, kA = 101, kB = 202;
+  V2Client c(ws[0].port);
+  net::Hello hello = hello_for(model, ws[0].port, 1, 2, 1);
+  hello.chain.push_back(net::Hop{pp::LayerRange{2, n_layer}, net::Peer{"127.0.0.1", ws[1].port}});
+  hello.mux = true;
+  const auto welcome = handshake(c, hello, kConn);
+  ASSERT_TRUE(welcome);
+  ASSERT_EQ(welcome->m.type, net::kTypeWelcome) << welcome->text();
+  ASSERT_NE(welcome->text().find("mux=1"), std::string::npos) << welcome->text();
+  for (const uint64_t s : {kA, kB}) {
+    net::ModelHeader h;
+    h.type = net::kTypeOpen;
+    h.session = s;
+    h.layer_lo = 1, h.layer_hi = 2;
+    const std::string text = net::encode_sampling(pp::SamplingParams{});  // argmax
+    ASSERT_TRUE(c.send_frame(h, std::vector<uint8_t>(text.begin(), text.end())));
+    const auto ack = c.read_frame(10s);
+    ASSERT_TRUE(ack);
+    ASSERT_EQ(ack->m.type, net::kTypeOpen) << ack->text();
+    EXPECT_EQ(ack->m.session, s);
+  }
+
+  // Stage 0 here, as pp_node --serve runs it; the reference runs each session alone.
+  const pp::Stage first(pp::Model::open(model), pp::LayerRange{0, cuts[0]});
+  pp::Sequence seq_a = first.new_sequence(), seq_b = first.new_sequence();
+  pp::LocalPipeline ref_a(model, cuts, pp::WireDType::F32, {.threads = 1});
+  pp::LocalPipeline ref_b(model, cuts, pp::WireDType::F32, {.threads = 1});
+  pp::Sampler sampler;
+
+  // One step of both sessions: A feeds `ta` at pos_a, B feeds `tb` at pos_b. Returns the decoded BRES.
+  uint32_t seq = 0;
+  auto step = [&](const std::vector<int32_t>& ta, uint64_t pos_a, uint8_t flags_a, const std::vector<int32_t>& tb,
+                  uint64_t pos_b, uint8_t flags_b, std::vector<uint8_t>& raw) {
+    const std::vector<net::BatchEntry> entries = {{kA, pos_a, uint32_t(ta.size()), flags_a},
+                                                  {kB, pos_b, uint32_t(tb.size()), flags_b}};
+    const std::size_t rows = ta.size() + tb.size();
+    std::vector<float> x(rows * E);
+    first.embed(ta, x.data());
+    first.embed(tb, x.data() + ta.size() * E);
+    const std::vector<pp::Stage::BatchEntry> run = {{&seq_a, int64_t(pos_a), ta.size()},
+                                                    {&seq_b, int64_t(pos_b), tb.size()}};
+    first.forward_batch(run, x.data());
+    std::vector<uint8_t> payload = net::encode_batch_table(entries);
+    const auto* xb = reinterpret_cast<const uint8_t*>(x.data());
+    payload.insert(payload.end(), xb, xb + x.size() * 4);
+    net::ModelHeader h;
+    h.type = net::kTypeBatch;
+    h.seq = ++seq;
+    h.session = kConn;
+    h.layer_lo = 1, h.layer_hi = 2;
+    h.rows = uint32_t(rows);
+    EXPECT_TRUE(c.send_frame(h, payload));
+    const auto r = c.read_frame(10s);
+    if (!r) {
+      ADD_FAILURE() << "no reply to BATCH seq " << seq;
+      return std::vector<net::EntryResult>{};
+    }
+    EXPECT_EQ(r->m.type, net::kTypeBatchRes) << r->text();
+    EXPECT_EQ(r->m.seq, seq);
+    EXPECT_EQ(r->m.session, kConn);
+    EXPECT_EQ(r->m.rows, 2u);
+    raw = r->payload;
+    try {
+      return net::decode_batch_res(r->payload, entries, V);
+    } catch (const pp::FrameError& e) {
+      ADD_FAILURE() << e.what();
+      return std::vector<net::EntryResult>{};
+    }
+  };
+  auto same_bytes = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+  };
+  auto digest_of = [](const std::vector<float>& v) {
+    return pp::sha256(std::span(reinterpret_cast<const uint8_t*>(v.data()), v.size() * 4));
+  };
+
+  // Prompts: A asks digest and logits, B nothing.
+  const std::vector<int32_t> pa = {5, 77, 300}, pb = {12, 9};
+  std::vector<float> la(V), lb(V);
+  ref_a.run(pa, 0, la.data());
+  ref_b.run(pb, 0, lb.data());
+  std::vector<uint8_t> raw;
+  auto r = step(pa, 0, net::kEntryDigest | net::kEntryLogits, pb, 0, 0, raw);
+  ASSERT_EQ(r.size(), 2u);
+  EXPECT_EQ(raw.size(), (4 + 32 + 4 * std::size_t{V}) + 4) << "B's entry is its 4-byte token only";
+  EXPECT_TRUE(same_bytes(r[0].logits, la)) << "logits differ from LocalPipeline";
+  ASSERT_TRUE(r[0].digest);
+  EXPECT_EQ(*r[0].digest, digest_of(la));
+  EXPECT_EQ(r[0].token, sampler.sample(la, {}, 3));
+  EXPECT_FALSE(r[1].digest);
+  EXPECT_TRUE(r[1].logits.empty());
+  EXPECT_EQ(r[1].token, sampler.sample(lb, {}, 2));
+  int32_t tail;
+  std::memcpy(&tail, raw.data() + raw.size() - 4, 4);
+  EXPECT_EQ(tail, r[1].token);
+
+  // Next step, the flags swapped round: A a digest only, B logits only.
+  const std::vector<int32_t> na = {r[0].token}, nb = {r[1].token};
+  ref_a.run(na, 3, la.data());
+  ref_b.run(nb, 2, lb.data());
+  r = step(na, 3, net::kEntryDigest, nb, 2, net::kEntryLogits, raw);
+  ASSERT_EQ(r.size(), 2u);
+  EXPECT_EQ(raw.size(), (4 + 32) + (4 + 4 * std::size_t{V}));
+  ASSERT_TRUE(r[0].digest);
+  EXPECT_EQ(*r[0].digest, digest_of(la));
+  EXPECT_TRUE(r[0].logits.empty());
+  EXPECT_FALSE(r[1].digest);
+  EXPECT_TRUE(same_bytes(r[1].logits, lb)) << "logits differ from LocalPipeline";
+  EXPECT_EQ(r[0].token, sampler.sample(la, {}, 4));
+  EXPECT_EQ(r[1].token, sampler.sample(lb, {}, 3));
+  for (auto& w : ws) EXPECT_TRUE(w.proc->running()) << w.proc->err();
+}
+
+// A middle stage bounds each BRES by the BATCH it sent down, before reading its payload.
+TEST(MuxEntryFlags, MiddleStageRefusesABresOfAnotherSize) {
+  namespace net = pp::net;
+  const std::string model = golden("f32");
+  // The next hop: WELCOME with mux=1, the OPEN acked, then 8 bytes for a BATCH whose one entry asks
+  // nothing (4 bytes).
+  FakePeer below([](int fd) {
+    auto read = [fd]() -> std::optional<net::ModelHeader> {
+      const auto head = pp::test::read_exact(fd, net::kModelHeaderBytes, 10s);
+      if (!head) return std::nullopt;
+      const net::ModelHeader m =
+          net::decode_model_header(net::decode_header(*head), std::span(*head).subspan(net::kFrameHeaderBytes));
+      if (m.payload_bytes && !pp::test::read_exact(fd, m.payload_bytes, 10s)) return std::nullopt;
+      return m;
+    };
+    auto reply = [fd](net::ModelHeader h, uint8_t type, const std::vector<uint8_t>& payload) {
+      h.type = type;
+      h.payload_bytes = uint32_t(payload.size());
+      const auto head = net::encode_model_header(h);
+      std::vector<uint8_t> b(head.begin(), head.end());
+      b.insert(b.end(), payload.begin(), payload.end());
+      (void)::send(fd, b.data(), b.size(), MSG_NOSIGNAL);
+    };
+    auto hello = read();
+    if (!hello) return;
+    const std::string w = net::encode_welcome(net::Welcome{{}, true});
+    reply(*hello, net::kTypeWelcome, std::vector<uint8_t>(w.begin(), w.end()));
+    auto open = read();
+    if (!open) return;
+    reply(*open, net::kTypeOpen, {});
+    auto batch = read();
+    if (!batch) return;
+    batch->rows = 1;
+    reply(*batch, net::kTypeBatchRes, std::vector<uint8_t>(8, 0));
+  });
+  auto w = start_node_worker(model);
+  ASSERT_TRUE(w);
+  const net::ModelIdentity id = identity_of(model);
+  V2Client c(w->port);
+  net::Hello hello = hello_for(model, w->port, 1, 2, 1);
+  hello.chain.push_back(net::Hop{pp::LayerRange{2, int(id.n_layer)}, net::Peer{"127.0.0.1", below.port()}});
+  hello.mux = true;
+  const auto welcome = handshake(c, hello, 42);
+  ASSERT_TRUE(welcome);
+  ASSERT_EQ(welcome->m.type, net::kTypeWelcome) << welcome->text();
+  net::ModelHeader h;
+  h.type = net::kTypeOpen;
+  h.session = 7;
+  h.layer_lo = 1, h.layer_hi = 2;
+  const std::string text = net::encode_sampling(pp::SamplingParams{});
+  ASSERT_TRUE(c.send_frame(h, std::vector<uint8_t>(text.begin(), text.end())));
+  const auto ack = c.read_frame(10s);
+  ASSERT_TRUE(ack);
+  ASSERT_EQ(ack->m.type, net::kTypeOpen) << ack->text();
+  std::vector<uint8_t> payload = net::encode_batch_table(std::vector<net::BatchEntry>{{7, 0, 1, 0}});
+  const std::vector<float> row(id.n_embd, 0.25f);
+  const auto* rb = reinterpret_cast<const uint8_t*>(row.data());
+  payload.insert(payload.end(), rb, rb + row.size() * 4);
+  h.type = net::kTypeBatch;
+  h.session = 42;
+  h.seq = 1;
+  h.rows = 1;
+  ASSERT_TRUE(c.send_frame(h, payload));
+  const auto err = c.read_frame(10s);
+  ASSERT_TRUE(err);
+  EXPECT_EQ(err->m.type, net::kTypeErr);
+  EXPECT_EQ(err->m.session, 42u);
+  EXPECT_NE(err->text().find("layers [2, 4)): BRES seq 1 payload_bytes 8 != 4 (token, digest and logits as the BATCH "
+                             "entries' flags ask)"),
+            std::string::npos)
+      << err->text();
+  EXPECT_TRUE(w->proc->running());
+}
+
 TEST(Handshake, WrongVersionIsRefused) {
   auto w = start_node_worker(golden("f32"));
   ASSERT_TRUE(w);

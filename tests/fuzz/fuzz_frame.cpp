@@ -4,8 +4,9 @@
 //    whatever decodes must re-encode to the same bytes, whatever a check accepts must be within its limits.
 // 2. mux_frame.hpp: a version-2 BATCH (the only version-2 frame that carries residual rows) through
 //    check_batch_header / check_batch_count / its entry table / check_batch_entries, whose acceptance
-//    must imply the documented bounds; against the frame's own range and session, and against another
-//    assignment (which must refuse).
+//    must imply the documented bounds, against the frame's own range and session and against another
+//    assignment (which must refuse); the BRES those entries ask for is bounded and decodes to what was
+//    encoded.
 // 3. handshake.hpp: a version-2 HELLO / WELCOME / STATUS / OPEN payload (or, failing that, the whole
 //    input) as handshake text; whatever decodes must survive encode -> decode unchanged and check_hello.
 // 4. placeholder_worker.hpp: the whole input as the byte stream of one connection, served by
@@ -130,6 +131,29 @@ void batch(std::span<const uint8_t> bytes) {
     uint64_t rows = 0;
     for (const net::BatchEntry& e : entries) rows += e.rows;
     if (rows != m.rows) fail("check_batch_entries accepted entries whose rows do not add up");
+    uint32_t logits_entries = 0;
+    for (const net::BatchEntry& e : entries) {
+      if (e.flags & ~net::kKnownEntryFlags) fail("check_batch_entries accepted unknown entry flags");
+      logits_entries += (e.flags & net::kEntryLogits) ? 1 : 0;
+    }
+    if (logits_entries > net::kMaxLogitsEntries) fail("check_batch_entries accepted more logits entries than the limit");
+    // The BRES these entries ask for: bounded, and it decodes to what was encoded.
+    std::vector<int32_t> tokens(n);
+    std::vector<float> logits(std::size_t(n) * g.n_vocab);
+    for (std::size_t i = 0; i < logits.size(); ++i) logits[i] = float(i % 97) - 48.5f;
+    for (uint32_t i = 0; i < n; ++i) tokens[i] = int32_t(i * 7 % g.n_vocab);
+    const std::vector<uint8_t> res = net::encode_batch_res(entries, tokens, logits, g.n_vocab);
+    if (res.size() != net::batch_res_bytes(entries, g.n_vocab) || res.size() > net::max_batch_res_bytes(g.n_vocab))
+      fail("a BRES of accepted entries is not the size the flags fix, or past the bound");
+    const std::vector<net::EntryResult> back = net::decode_batch_res(res, entries, g.n_vocab);
+    for (uint32_t i = 0; i < n; ++i) {
+      const std::span<const float> row(logits.data() + std::size_t(i) * g.n_vocab, g.n_vocab);
+      if (back[i].token != tokens[i] || back[i].digest.has_value() != bool(entries[i].flags & net::kEntryDigest) ||
+          (back[i].digest && *back[i].digest != net::logits_digest(row)) ||
+          ((entries[i].flags & net::kEntryLogits) &&
+           std::memcmp(back[i].logits.data(), row.data(), row.size_bytes()) != 0))
+        fail("decode_batch_res(encode_batch_res(...)) differs");
+    }
   } catch (const pp::FrameError&) {
   }
 }

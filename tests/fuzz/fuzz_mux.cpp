@@ -7,8 +7,9 @@
 //
 // Invariants: ModelWorker::serve returns or throws pp::Error (anything else is a finding); every reply
 // is a well-formed version-2 frame of a type the worker may send (WELCOME first, then OPEN / BRES /
-// STATUS / ERR); a BRES carries one 4-byte token per entry of a BATCH, each inside the vocabulary; the
-// worker has no session left once the connection ends.
+// STATUS / ERR); the k-th BRES answers the input's k-th BATCH (a refused BATCH ends the connection) and
+// is exactly the size its entries' flags fix, each token inside the vocabulary and each digest the
+// SHA-256 of the logits beside it; the worker has no session left once the connection ends.
 #include "fuzz_common.hpp"
 
 #include <pp/core/error.hpp>
@@ -73,8 +74,39 @@ std::vector<uint8_t> hello_frame() {
   return out;
 }
 
+// The entry tables of the input's BATCH frames, in order, up to the first frame that does not parse
+// (where the worker stops too).
+std::vector<std::vector<net::BatchEntry>> batches_in(std::span<const uint8_t> input) {
+  std::vector<std::vector<net::BatchEntry>> out;
+  std::size_t off = 0;
+  while (input.size() - off >= net::kModelHeaderBytes) {
+    const std::span<const uint8_t> at = input.subspan(off);
+    net::ModelHeader m;
+    try {
+      const net::FrameHeader h = net::decode_header(at);
+      if (h.version != net::kVersionModel) break;
+      m = net::decode_model_header(h, at.subspan(net::kFrameHeaderBytes));
+    } catch (const pp::FrameError&) {
+      break;
+    }
+    if (at.size() - net::kModelHeaderBytes < m.payload_bytes) break;
+    const std::span<const uint8_t> p = at.subspan(net::kModelHeaderBytes, m.payload_bytes);
+    if (m.type == net::kTypeBatch && p.size() >= 4) {
+      const uint64_t n = net::detail::get_be32(p.data());
+      if (4 + n * net::kBatchEntryBytes > p.size()) break;
+      std::vector<net::BatchEntry>& es = out.emplace_back();
+      for (uint64_t i = 0; i < n; ++i)
+        es.push_back(net::decode_batch_entry(p.subspan(4 + i * net::kBatchEntryBytes).first<net::kBatchEntryBytes>()));
+    }
+    off += net::kModelHeaderBytes + m.payload_bytes;
+  }
+  return out;
+}
+
 // Reads replies until end of stream and checks each one. Runs beside serve().
-void check_replies(int fd, uint32_t n_vocab) {
+void check_replies(int fd, uint32_t n_vocab, std::span<const uint8_t> input) {
+  const std::vector<std::vector<net::BatchEntry>> batches = batches_in(input);
+  std::size_t answered = 0;
   static const bool verbose = std::getenv("PP_FUZZ_VERBOSE") != nullptr;
   std::vector<uint8_t> buf;
   std::array<uint8_t, 65536> chunk;
@@ -120,9 +152,20 @@ void check_replies(int fd, uint32_t n_vocab) {
                    reinterpret_cast<const char*>(at.data() + net::kModelHeaderBytes));
     if (m.type == net::kTypeBatchRes) {
       const std::span<const uint8_t> p = at.subspan(net::kModelHeaderBytes, m.payload_bytes);
-      if (p.size() % 4 != 0) fail("a BRES payload is not whole tokens");
-      for (int32_t t : net::decode_batch_res(p))
-        if (t < 0 || uint32_t(t) >= n_vocab) fail("a BRES token is outside the vocabulary");
+      if (answered >= batches.size()) fail("a BRES answers no BATCH of the input");
+      const std::vector<net::BatchEntry>& entries = batches[answered++];
+      if (m.rows != entries.size()) fail("a BRES's rows is not its BATCH's entry count");
+      std::vector<net::EntryResult> res;
+      try {
+        res = net::decode_batch_res(p, entries, n_vocab);
+      } catch (const pp::FrameError& e) {
+        fail("a BRES is not the size its BATCH's entry flags fix", e.what());
+      }
+      for (const net::EntryResult& r : res) {
+        if (r.token < 0 || uint32_t(r.token) >= n_vocab) fail("a BRES token is outside the vocabulary");
+        if (r.digest && !r.logits.empty() && *r.digest != net::logits_digest(r.logits))
+          fail("a BRES digest is not the SHA-256 of the logits beside it");
+      }
     }
     first = false;
     off += net::kModelHeaderBytes + m.payload_bytes;
@@ -150,7 +193,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     ::shutdown(peer.get(), SHUT_WR);
   });
-  std::thread reader([&] { check_replies(peer.get(), w.identity().n_vocab); });
+  std::thread reader([&] { check_replies(peer.get(), w.identity().n_vocab, std::span(data, size)); });
   {
     net::Channel ch(std::move(up), net::Peer{"fuzz", 0}, "upstream", net::Timeouts{net::Millis{2000}, net::Millis{2000}});
     try {

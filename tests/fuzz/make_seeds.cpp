@@ -496,6 +496,11 @@ void frame_seeds(const fs::path& dir) {
     seed("v2-batch-huge-count", v2(b, huge));
     b.type = net::kTypeBatchRes, b.rows = 2;
     seed("v2-bres", v2(b, std::string(2 * 4, '\x01')));
+    const std::vector<net::BatchEntry> flagged = {{11, 0, 1, net::kEntryDigest | net::kEntryLogits}, {12, 7, 2, 0}};
+    const Bytes ftable = net::encode_batch_table(flagged);
+    std::string fpayload(ftable.begin(), ftable.end());
+    fpayload.append(3 * 4 * 4, '\0');
+    seed("v2-batch-flags", v2(b, fpayload));
     net::ModelHeader o;
     o.type = net::kTypeOpen, o.session = 11;
     seed("v2-open", v2(o, net::encode_sampling(hello.sampling)));
@@ -622,6 +627,12 @@ void mux_seeds(const fs::path& dir) {
   seed("open-bad-sampling", open(5, "temperature=-1\ntop_k=abc\n"));
   seed("batch-past-ctx", cat({open(5, g), batch(1, {{5, 62, 4, 0}})}));
   seed("batch-duplicate-entry", cat({open(5, g), batch(1, {{5, 0, 1, 0}, {5, 1, 1, 0}})}));
+  const uint8_t both = net::kEntryDigest | net::kEntryLogits;
+  seed("batch-entry-flags", cat({open(5, g), open(6, t), batch(1, {{5, 0, 2, both}, {6, 0, 1, 0}}),
+                                 batch(2, {{6, 1, 1, net::kEntryLogits}, {5, 2, 1, net::kEntryDigest}})}));
+  seed("batch-unknown-flags", cat({open(5, g), batch(1, {{5, 0, 1, 0x84}})}));
+  seed("batch-five-logits", cat({open(1, g), open(2, g), open(3, g), open(4, g), open(5, g),
+                                 batch(1, {{1, 0, 1, both}, {2, 0, 1, both}, {3, 0, 1, both}, {4, 0, 1, both}, {5, 0, 1, both}})}));
   seed("close-unknown-and-keepalive", cat({frame(net::kTypeClose, 77, 0, {}), frame(net::kTypeClose, 0, 0, {})}));
   {
     Bytes nan_rows = cat({open(5, g), batch(1, {{5, 0, 2, 0}})});

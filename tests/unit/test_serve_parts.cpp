@@ -1,5 +1,7 @@
 // Pieces of pp_node --serve in-process: stop strings, chat templates, the cut planner, BATCH frames, request
 // validation, the HTTP request parser, special tokens in chat content.
+#include <algorithm>
+#include <cstring>
 #include <optional>
 #include <set>
 #include <string>
@@ -164,7 +166,94 @@ TEST(BatchFrame, TableRoundTripsAndEveryCheckRefuses) {
   EXPECT_THROW(check_batch_count(h, 1, 64), pp::FrameError);  // payload size disagrees
   EXPECT_THROW(check_batch_entries(h, std::vector<BatchEntry>{{1, 0, 2, 0}, {1, 0, 2, 0}}), pp::FrameError);  // twice
   EXPECT_THROW(check_batch_entries(h, std::vector<BatchEntry>{{1, 0, 1, 0}, {2, 0, 2, 0}}), pp::FrameError);  // 3 != 4
-  EXPECT_THROW(check_batch_entries(h, std::vector<BatchEntry>{{1, 0, 4, 1}}), pp::FrameError);  // flags
+  EXPECT_NO_THROW(check_batch_entries(h, std::vector<BatchEntry>{{1, 0, 4, kEntryDigest | kEntryLogits}}));
+  try {
+    check_batch_entries(h, std::vector<BatchEntry>{{1, 0, 1, 0}, {9, 0, 3, kEntryDigest | 4}});
+    ADD_FAILURE() << "accepted flags with bit 4";
+  } catch (const pp::FrameError& e) {
+    EXPECT_NE(std::string(e.what()).find("entry 1 (session 9): flags 5 has unknown bits 4"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(check_batch_entries(h, std::vector<BatchEntry>{{1, 0, 4, 0x80}}), pp::FrameError);
+}
+
+TEST(BatchFrame, AtMostFourEntriesAskForLogits) {
+  using namespace pp::net;
+  ModelHeader h;
+  h.type = kTypeBatch;
+  h.rows = 6;
+  std::vector<BatchEntry> entries;
+  for (uint64_t i = 0; i < 6; ++i) entries.push_back({i + 1, 0, 1, i < 4 ? kEntryLogits : kEntryDigest});
+  EXPECT_NO_THROW(check_batch_entries(h, entries));  // four logits entries, two digests
+  entries[5].flags = kEntryLogits | kEntryDigest;
+  try {
+    check_batch_entries(h, entries);
+    ADD_FAILURE() << "accepted a fifth logits entry";
+  } catch (const pp::FrameError& e) {
+    EXPECT_NE(std::string(e.what()).find("entry 5 (session 6): asks for logits, and at most 4"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("bounded"), std::string::npos) << e.what();
+  }
+}
+
+TEST(BatchFrame, ResultsCarryDigestAndLogitsAsTheFlagsAsk) {
+  using namespace pp::net;
+  constexpr uint32_t V = 5;
+  const std::vector<BatchEntry> entries = {{1, 0, 1, kEntryDigest | kEntryLogits},
+                                           {2, 0, 2, 0},
+                                           {3, 0, 1, kEntryDigest},
+                                           {4, 0, 1, kEntryLogits}};
+  const std::vector<int32_t> tokens = {7, -1, 123456, 0};
+  std::vector<float> logits(entries.size() * V);
+  for (std::size_t i = 0; i < logits.size(); ++i) logits[i] = float(i) * 0.37f - 3.0f;
+  logits[2] = -0.0f;  // the bytes, not the values, travel
+  const std::vector<uint8_t> p = encode_batch_res(entries, tokens, logits, V);
+  ASSERT_EQ(p.size(), batch_res_bytes(entries, V));
+  ASSERT_EQ(p.size(), (4 + 32 + 4 * V) + 4 + (4 + 32) + (4 + 4 * V));
+  // Entry 0's layout: token, digest, logits.
+  int32_t t0;
+  std::memcpy(&t0, p.data(), 4);
+  EXPECT_EQ(t0, 7);
+  const pp::Sha256Digest d0 =
+      pp::sha256(std::span(reinterpret_cast<const uint8_t*>(logits.data()), V * sizeof(float)));
+  EXPECT_TRUE(std::equal(d0.begin(), d0.end(), p.begin() + 4));
+  EXPECT_EQ(std::memcmp(p.data() + 36, logits.data(), V * 4), 0);
+
+  const std::vector<EntryResult> r = decode_batch_res(p, entries, V);
+  ASSERT_EQ(r.size(), entries.size());
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    EXPECT_EQ(r[i].token, tokens[i]) << i;
+    const std::span<const float> row(logits.data() + i * V, V);
+    EXPECT_EQ(r[i].digest.has_value(), bool(entries[i].flags & kEntryDigest)) << i;
+    if (r[i].digest) {
+      EXPECT_EQ(*r[i].digest, logits_digest(row)) << i;
+      EXPECT_EQ(*r[i].digest, pp::sha256(std::span(reinterpret_cast<const uint8_t*>(row.data()), row.size_bytes())));
+    }
+    if (entries[i].flags & kEntryLogits) {
+      ASSERT_EQ(r[i].logits.size(), V) << i;
+      EXPECT_EQ(std::memcmp(r[i].logits.data(), row.data(), row.size_bytes()), 0) << i;
+    } else {
+      EXPECT_TRUE(r[i].logits.empty()) << i;
+    }
+  }
+
+  // No flags: 4 bytes per entry, the tokens as little-endian i32, as before entry flags existed.
+  const std::vector<BatchEntry> plain = {{1, 0, 1, 0}, {2, 0, 1, 0}};
+  const std::vector<uint8_t> q = encode_batch_res(plain, std::vector<int32_t>{0x01020304, 9}, std::span(logits).first(2 * V), V);
+  EXPECT_EQ(q, (std::vector<uint8_t>{4, 3, 2, 1, 9, 0, 0, 0}));
+
+  // A size other than the flags fix is refused, naming both sizes.
+  for (const std::size_t n : {p.size() - 1, p.size() + 1, std::size_t{0}}) {
+    std::vector<uint8_t> bad(n, 0);
+    try {
+      decode_batch_res(bad, entries, V);
+      ADD_FAILURE() << "accepted " << n << " bytes";
+    } catch (const pp::FrameError& e) {
+      EXPECT_NE(std::string(e.what()).find(std::to_string(n) + " bytes for 4 entries, expected " + std::to_string(p.size())),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_EQ(max_batch_res_bytes(V), 256u * 36 + 4 * V * 4);
 }
 
 TEST(BatchFrame, SamplingTextRoundTripsExactly) {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <array>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -10,6 +11,7 @@
 
 #include "pp/core/error.hpp"
 #include "pp/net/frame.hpp"
+#include "pp/net/sha256.hpp"
 
 namespace pp::net {
 
@@ -143,6 +145,17 @@ inline uint64_t fwd_payload_bytes(uint64_t rows, uint32_t n_embd) { return rows 
 inline uint64_t res_payload_bytes(uint8_t flags, uint32_t n_vocab) {
   return 4 + ((flags & kFlagDigest) ? 32 : 0) + ((flags & kFlagLogits) ? uint64_t{n_vocab} * 4 : 0);
 }
+
+// Residual rows and logits go on the wire as the host's f32 bytes; the wire is little-endian.
+static_assert(std::endian::native == std::endian::little, "pp_node sends f32 as host bytes: little-endian only");
+
+inline std::span<const uint8_t> f32_bytes(std::span<const float> v) {
+  return {reinterpret_cast<const uint8_t*>(v.data()), v.size() * sizeof(float)};
+}
+
+// What verification compares: SHA-256 of a position's [n_vocab] f32 logits as little-endian bytes
+// (kFlagDigest here, kEntryDigest on a BRES).
+inline Sha256Digest logits_digest(std::span<const float> logits) { return sha256(f32_bytes(logits)); }
 
 // The checks a version-2 FWD must pass before its payload is read or memory is reserved for it.
 // `range` is the receiver's assigned [lo, hi), `session` its session id.

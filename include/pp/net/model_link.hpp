@@ -6,7 +6,6 @@
 #pragma once
 
 #include <atomic>
-#include <bit>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -26,9 +25,6 @@
 #include "pp/net/socket.hpp"
 
 namespace pp::net {
-
-// Residual rows and logits go on the wire as the host's f32 bytes; the wire is little-endian.
-static_assert(std::endian::native == std::endian::little, "pp_node sends f32 as host bytes: little-endian only");
 
 // ---- frames on a channel ----
 
@@ -76,13 +72,6 @@ struct StepReply {
   std::vector<float> logits;  // [n_vocab] when kFlagLogits
 };
 
-inline std::span<const uint8_t> f32_bytes(std::span<const float> v) {
-  return {reinterpret_cast<const uint8_t*>(v.data()), v.size() * sizeof(float)};
-}
-
-// What verification compares: SHA-256 of a position's [n_vocab] f32 logits as little-endian bytes.
-inline Sha256Digest logits_digest(std::span<const float> logits) { return sha256(f32_bytes(logits)); }
-
 // logits: the sampled position's [n_vocab] f32 logits. Sized once, then filled (GCC 12 warns falsely
 // about vector::insert growing a 4-byte vector).
 inline std::vector<uint8_t> encode_res(int32_t token, uint8_t flags, std::span<const float> logits) {
@@ -91,7 +80,7 @@ inline std::vector<uint8_t> encode_res(int32_t token, uint8_t flags, std::span<c
   std::memcpy(out.data(), &token, 4);
   std::size_t off = 4;
   if (flags & kFlagDigest) {
-    const Sha256Digest d = sha256(raw);
+    const Sha256Digest d = logits_digest(logits);
     std::memcpy(out.data() + off, d.data(), d.size());
     off += d.size();
   }

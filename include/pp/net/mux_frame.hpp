@@ -3,13 +3,15 @@
 // A connection whose HELLO carries `mux=1` (and whose WELCOME answers `mux=1`) carries sessions that
 // are opened and closed by frames instead of by the connection: OPEN (with the session's sampling
 // parameters), CLOSE, and BATCH, which runs one step of several sessions through a stage in one pass
-// over its weights (Stage::forward_batch) and is answered by BRES, one token per entry. Layout and
+// over its weights (Stage::forward_batch) and is answered by BRES, one token per entry (with the
+// logits' digest and the logits themselves for the entries whose flags ask). Layout and
 // rules: docs/PROTOCOL-TCP.md "Multiplexed sessions".
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -19,6 +21,7 @@
 #include "pp/net/channel.hpp"
 #include "pp/net/handshake.hpp"
 #include "pp/net/model_frame.hpp"
+#include "pp/net/sha256.hpp"
 #include "pp/net/socket.hpp"
 #include "pp/text/sampler.hpp"
 
@@ -27,7 +30,7 @@ namespace pp::net {
 inline constexpr uint8_t kTypeOpen = 6;      // open a session on a multiplexed connection; answered by OPEN or ERR
 inline constexpr uint8_t kTypeClose = 7;     // close a session (free its KV cache on every stage); no reply
 inline constexpr uint8_t kTypeBatch = 8;     // one step of several sessions: entry table, then their rows
-inline constexpr uint8_t kTypeBatchRes = 9;  // BRES: one sampled token per BATCH entry, in entry order
+inline constexpr uint8_t kTypeBatchRes = 9;  // BRES: per BATCH entry, in entry order, its token (+ digest, logits)
 inline constexpr uint8_t kTypeProbe = 10;    // measure this worker: per-layer time, free memory (probe.hpp)
 
 // BATCH payload: u32 n_entries, n_entries x 24-byte entries, then f32 [rows, n_embd] (all big-endian
@@ -38,11 +41,18 @@ inline constexpr uint32_t kMaxBatchEntries = 256;     // entries in one BATCH
 inline constexpr std::size_t kMaxMuxSessions = 256;   // sessions open at once on one connection
 inline constexpr uint64_t kKeepaliveSession = 0;      // CLOSE of session 0: a keepalive, ignored
 
+// Entry flags: what the last stage returns with the entry's token, as the FWD flags do on a RES.
+inline constexpr uint8_t kEntryDigest = kFlagDigest;  // SHA-256 of the entry's f32 logits (32 bytes)
+inline constexpr uint8_t kEntryLogits = kFlagLogits;  // the f32 logits themselves ([n_vocab] little-endian)
+inline constexpr uint8_t kKnownEntryFlags = kEntryDigest | kEntryLogits;
+// Entries of one BATCH that may ask for logits: a BRES stays within a few vocabularies of f32.
+inline constexpr uint32_t kMaxLogitsEntries = 4;
+
 struct BatchEntry {
   uint64_t session = 0;
   uint64_t pos = 0;   // absolute position of the entry's first row
   uint32_t rows = 0;  // rows of this session in the batch, consecutive in the payload
-  uint8_t flags = 0;  // none defined yet: must be 0
+  uint8_t flags = 0;  // kEntryDigest | kEntryLogits
 };
 
 inline std::string mux_type_name(uint8_t type) {
@@ -123,17 +133,24 @@ inline void check_batch_count(const ModelHeader& m, uint32_t n_entries, uint32_t
                      std::to_string(n_embd) + " x 4 = " + std::to_string(want));
 }
 
-// Checks the decoded entries: rows add up to the header's, sessions distinct, positions bounded, no flags.
+// Checks the decoded entries: rows add up to the header's, sessions distinct, positions bounded, known
+// flags only, at most kMaxLogitsEntries asking for logits.
 // Whether each session is open is the receiver's check.
 inline void check_batch_entries(const ModelHeader& m, std::span<const BatchEntry> entries) {
   const std::string where = "BATCH seq " + std::to_string(m.seq) + ": ";
   uint64_t rows = 0;
+  uint32_t logits_entries = 0;
   for (std::size_t i = 0; i < entries.size(); ++i) {
     const BatchEntry& e = entries[i];
     const std::string which = where + "entry " + std::to_string(i) + " (session " + std::to_string(e.session) + "): ";
     if (e.rows == 0) throw FrameError(which + "rows 0");
     if (e.pos > (uint64_t{1} << 40)) throw FrameError(which + "pos " + std::to_string(e.pos) + " > limit 2^40");
-    if (e.flags != 0) throw FrameError(which + "flags " + std::to_string(e.flags) + " != 0 (none are defined)");
+    if (e.flags & ~kKnownEntryFlags)
+      throw FrameError(which + "flags " + std::to_string(e.flags) + " has unknown bits " +
+                       std::to_string(e.flags & ~kKnownEntryFlags) + " (known: 1 digest, 2 logits)");
+    if ((e.flags & kEntryLogits) && ++logits_entries > kMaxLogitsEntries)
+      throw FrameError(which + "asks for logits, and at most " + std::to_string(kMaxLogitsEntries) +
+                       " entries of one BATCH may (a BRES must stay bounded)");
     for (std::size_t j = 0; j < i; ++j)
       if (entries[j].session == e.session) throw FrameError(which + "the session appears twice");
     rows += e.rows;
@@ -155,16 +172,79 @@ inline uint64_t send_batch(Channel& ch, ModelHeader h, std::span<const uint8_t> 
   return head.size() + table.size() + rows.size();
 }
 
-// BRES payload: one little-endian i32 token per entry.
-inline std::vector<uint8_t> encode_batch_res(std::span<const int32_t> tokens) {
-  std::vector<uint8_t> out(tokens.size() * 4);
-  if (!tokens.empty()) std::memcpy(out.data(), tokens.data(), out.size());
+// BRES payload, per entry in entry order: its i32 token (little-endian), then the 32-byte digest if
+// it asked kEntryDigest, then its [n_vocab] little-endian f32 logits if it asked kEntryLogits. With no
+// flags, 4 bytes per entry.
+inline uint64_t batch_res_bytes(std::span<const BatchEntry> entries, uint32_t n_vocab) {
+  uint64_t n = 0;
+  for (const BatchEntry& e : entries) n += res_payload_bytes(e.flags, n_vocab);
+  return n;
+}
+
+// The most any BRES may carry: every entry with a digest, kMaxLogitsEntries with logits. An upstream
+// end that does not keep each BATCH's entries bounds its read by this.
+inline uint64_t max_batch_res_bytes(uint32_t n_vocab) {
+  return uint64_t{kMaxBatchEntries} * (4 + 32) + uint64_t{kMaxLogitsEntries} * n_vocab * 4;
+}
+
+struct EntryResult {
+  int32_t token = 0;
+  std::optional<Sha256Digest> digest;  // when the entry asked kEntryDigest
+  std::vector<float> logits;           // [n_vocab] when it asked kEntryLogits
+};
+
+// tokens: [n_entries]; logits: [n_entries, n_vocab], each entry's sampled position.
+inline std::vector<uint8_t> encode_batch_res(std::span<const BatchEntry> entries, std::span<const int32_t> tokens,
+                                             std::span<const float> logits, uint32_t n_vocab) {
+  if (tokens.size() != entries.size() || logits.size() != entries.size() * std::size_t{n_vocab})
+    throw Error("encode_batch_res: " + std::to_string(entries.size()) + " entries, " + std::to_string(tokens.size()) +
+                " tokens, " + std::to_string(logits.size()) + " logits (want n_entries x n_vocab " +
+                std::to_string(n_vocab) + ")");
+  std::vector<uint8_t> out(batch_res_bytes(entries, n_vocab));
+  std::size_t off = 0;
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    const std::span<const float> row = logits.subspan(i * n_vocab, n_vocab);
+    std::memcpy(out.data() + off, &tokens[i], 4);
+    off += 4;
+    if (entries[i].flags & kEntryDigest) {
+      const Sha256Digest d = logits_digest(row);
+      std::memcpy(out.data() + off, d.data(), d.size());
+      off += d.size();
+    }
+    if (entries[i].flags & kEntryLogits) {
+      std::memcpy(out.data() + off, row.data(), row.size_bytes());
+      off += row.size_bytes();
+    }
+  }
   return out;
 }
 
-inline std::vector<int32_t> decode_batch_res(std::span<const uint8_t> p) {
-  std::vector<int32_t> out(p.size() / 4);
-  if (!out.empty()) std::memcpy(out.data(), p.data(), out.size() * 4);
+// `entries`: the table of the BATCH this BRES answers. Throws FrameError when the size is not the one
+// their flags fix.
+inline std::vector<EntryResult> decode_batch_res(std::span<const uint8_t> payload, std::span<const BatchEntry> entries,
+                                                 uint32_t n_vocab) {
+  const uint64_t want = batch_res_bytes(entries, n_vocab);
+  if (payload.size() != want)
+    throw FrameError("BRES: " + std::to_string(payload.size()) + " bytes for " + std::to_string(entries.size()) +
+                     " entries, expected " + std::to_string(want) + " (token, digest and logits as their flags ask)");
+  std::vector<EntryResult> out(entries.size());
+  std::size_t off = 0;
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    EntryResult& r = out[i];
+    std::memcpy(&r.token, payload.data() + off, 4);
+    off += 4;
+    if (entries[i].flags & kEntryDigest) {
+      Sha256Digest d;
+      std::memcpy(d.data(), payload.data() + off, d.size());
+      r.digest = d;
+      off += d.size();
+    }
+    if (entries[i].flags & kEntryLogits) {
+      r.logits.resize(n_vocab);
+      std::memcpy(r.logits.data(), payload.data() + off, std::size_t{n_vocab} * 4);
+      off += std::size_t{n_vocab} * 4;
+    }
+  }
   return out;
 }
 

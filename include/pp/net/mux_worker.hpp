@@ -293,6 +293,13 @@ class MuxConnection {
       ModelHeader down = m;
       down.layer_lo = uint32_t(s_.next->hop().range.lo);
       down.layer_hi = uint32_t(s_.next->hop().range.hi);
+      bool fresh = false;
+      {
+        // The relay bounds the BRES by what these entries ask before it reads a byte of it.
+        std::lock_guard lock(wait_mu_);
+        fresh = bres_bytes_.emplace(m.seq, batch_res_bytes(entries_, s_.id.n_vocab)).second;
+      }
+      if (!fresh) fail(m, "BATCH seq " + std::to_string(m.seq) + ": a BATCH with this seq is still unanswered below");
       note_sent();
       const auto t1 = std::chrono::steady_clock::now();
       uint64_t sent = 0;
@@ -328,7 +335,7 @@ class MuxConnection {
     ModelHeader r = m;
     r.type = kTypeBatchRes;
     r.rows = n;
-    send_up(r, encode_batch_res(tokens_));
+    send_up(r, encode_batch_res(entries_, tokens_, logits_, uint32_t(V)));
   }
 
   // The relay thread (middle stages): the next hop's replies, sent on upstream as they come.
@@ -352,12 +359,23 @@ class MuxConnection {
           throw FrameError(who + ": sent version " + std::to_string(fh->version) + " (expected 2)");
         const auto t0 = std::chrono::steady_clock::now();
         ModelHeader h = read_extension(down, *fh);
-        const uint32_t limit = h.type == kTypeBatchRes ? 4 * kMaxBatchEntries : kMaxTextPayload;
-        if (h.payload_bytes > limit)
-          throw FrameError(who + ": " + mux_type_name(h.type) + " payload_bytes " + std::to_string(h.payload_bytes) +
-                           " > limit " + std::to_string(limit));
         if (h.type != kTypeBatchRes && h.type != kTypeOpen && h.type != kTypeErr)
           throw FrameError(who + ": sent " + mux_type_name(h.type) + " (expected BRES, OPEN or ERR)");
+        if (h.type == kTypeBatchRes) {
+          // Exactly the size the BATCH's entries asked for, checked before the payload is read.
+          std::lock_guard lock(wait_mu_);
+          const auto it = bres_bytes_.find(h.seq);
+          if (it == bres_bytes_.end())
+            throw FrameError(who + ": BRES seq " + std::to_string(h.seq) + " answers no BATCH sent to it");
+          if (h.payload_bytes != it->second)
+            throw FrameError(who + ": BRES seq " + std::to_string(h.seq) + " payload_bytes " +
+                             std::to_string(h.payload_bytes) + " != " + std::to_string(it->second) +
+                             " (token, digest and logits as the BATCH entries' flags ask)");
+          bres_bytes_.erase(it);
+        } else if (h.payload_bytes > kMaxTextPayload) {
+          throw FrameError(who + ": " + mux_type_name(h.type) + " payload_bytes " + std::to_string(h.payload_bytes) +
+                           " > limit " + std::to_string(kMaxTextPayload));
+        }
         payload_.resize(h.payload_bytes);
         down.read_into(payload_, "reply payload");
         s_.next->count_received(kModelHeaderBytes + h.payload_bytes);
@@ -403,6 +421,7 @@ class MuxConnection {
   std::atomic<bool> stopping_{false};
   std::mutex wait_mu_;
   int64_t outstanding_ = 0;  // frames sent down still owed a reply
+  std::map<uint32_t, uint64_t> bres_bytes_;  // seq of each BATCH sent down and not yet answered -> its BRES bytes
   std::chrono::steady_clock::time_point last_progress_{};
   // Per-frame buffers, reused.
   std::vector<uint8_t> table_;
