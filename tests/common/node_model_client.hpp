@@ -226,8 +226,8 @@ inline std::map<std::string, std::string> worker_status(uint16_t port, const pp:
   return c.status();
 }
 
-// A count from the worker's STATUS (SIZE_MAX when absent): `sessions_active` counts connections that
-// completed a HELLO, multiplexed ones included; `mux_sessions_active` the sessions opened on those.
+// A count from the worker's STATUS (SIZE_MAX when absent): `connections_active` counts connections that
+// completed a HELLO, `sessions_active` the sessions opened on them (each a KV cache).
 inline std::size_t status_count(uint16_t port, const std::string& name, const pp::net::PresharedKey* key = nullptr) {
   const auto kv = worker_status(port, key);
   const auto it = kv.find(name);
@@ -254,9 +254,9 @@ inline bool wait_sessions(uint16_t port, std::size_t want, Millis timeout, const
   return wait_count(port, "sessions_active", want, timeout, key);
 }
 
-// True once the worker reports `want` sessions open on its multiplexed connections, within `timeout`.
-inline bool wait_mux_sessions(uint16_t port, std::size_t want, Millis timeout, const pp::net::PresharedKey* key = nullptr) {
-  return wait_count(port, "mux_sessions_active", want, timeout, key);
+// True once the worker reports `want` connections past their HELLO, within `timeout`.
+inline bool wait_connections(uint16_t port, std::size_t want, Millis timeout, const pp::net::PresharedKey* key = nullptr) {
+  return wait_count(port, "connections_active", want, timeout, key);
 }
 
 }  // namespace pp::test

@@ -172,7 +172,6 @@ using pp::test::mux_open;
 using pp::test::status_count;
 using pp::test::V2Client;
 using pp::test::V2Frame;
-using pp::test::wait_mux_sessions;
 using pp::test::wait_sessions;
 
 // ================================================================ frame and handshake units
@@ -433,18 +432,18 @@ TEST(ModelNode, SessionCountDropsWhenASessionEnds) {
     EXPECT_EQ(ack->m.type, pp::net::kTypeOpen) << ack->text();
     EXPECT_EQ(ack->m.session, uint64_t(s));
   }
-  EXPECT_EQ(active_sessions(w->port), 2u);  // the connections
-  EXPECT_EQ(status_count(w->port, "mux_sessions_active"), 3u);
+  EXPECT_EQ(status_count(w->port, "connections_active"), 2u);
+  EXPECT_EQ(active_sessions(w->port), 3u);
   ASSERT_TRUE(mux_close(*a, 12));  // CLOSE frees that session only
-  EXPECT_TRUE(wait_mux_sessions(w->port, 2, 3s));
-  EXPECT_EQ(active_sessions(w->port), 2u);
+  EXPECT_TRUE(wait_sessions(w->port, 2, 3s));
+  EXPECT_EQ(status_count(w->port, "connections_active"), 2u);
   a.reset();  // an orderly end frees the connection's sessions
+  EXPECT_TRUE(pp::test::wait_connections(w->port, 1, 3s));
   EXPECT_TRUE(wait_sessions(w->port, 1, 3s));
-  EXPECT_TRUE(wait_mux_sessions(w->port, 1, 3s));
   b->reset();  // an abrupt end frees them too
+  EXPECT_TRUE(pp::test::wait_connections(w->port, 0, 3s));
   EXPECT_TRUE(wait_sessions(w->port, 0, 3s));
-  EXPECT_TRUE(wait_mux_sessions(w->port, 0, 3s));
-  EXPECT_EQ(status_count(w->port, "mux_sessions_total"), 3u);
+  EXPECT_EQ(status_count(w->port, "sessions_total"), 3u);
   EXPECT_TRUE(w->proc->wait_stderr("1 session(s) freed as the connection ended", 3s)) << w->proc->err();
   EXPECT_TRUE(w->proc->wait_stderr("ended (0 active)", 3s)) << w->proc->err();
 }
@@ -1128,7 +1127,7 @@ TEST(FaultModel, OversizedFramesRefusedBeforeAllocation) {
     EXPECT_TRUE(cl.closed_by_peer(3s));
   }
   EXPECT_TRUE(wait_sessions(w->port, 0, 3s));
-  EXPECT_TRUE(wait_mux_sessions(w->port, 0, 3s));
+  EXPECT_TRUE(wait_sessions(w->port, 0, 3s));
   // A ctx larger than the worker allows is refused in the handshake.
   V2Client cl(w->port);
   pp::net::Hello h = hello_for(golden("f32"), w->port, 2, 4, 2);
@@ -1164,7 +1163,7 @@ TEST(FaultModel, ResetMidFrameEndsThatSessionOnly) {
     ASSERT_TRUE(ack);
     ASSERT_EQ(ack->m.type, pp::net::kTypeOpen) << ack->text();
     EXPECT_EQ(active_sessions(w->port), 1u);
-    EXPECT_EQ(status_count(w->port, "mux_sessions_active"), 1u);
+    EXPECT_EQ(status_count(w->port, "sessions_active"), 1u);
     // Header, entry table, then 100 of the row's 256 bytes.
     const std::vector<pp::net::BatchEntry> entries = {{6, 0, 1, 0}};
     std::vector<uint8_t> part = pp::test::batch_bytes(pp::test::batch_header(5, 2, 4, 0, entries, 64), entries,
@@ -1175,7 +1174,7 @@ TEST(FaultModel, ResetMidFrameEndsThatSessionOnly) {
     cl.reset();
   }
   EXPECT_TRUE(wait_sessions(w->port, 0, 3s));
-  EXPECT_TRUE(wait_mux_sessions(w->port, 0, 3s));
+  EXPECT_TRUE(wait_sessions(w->port, 0, 3s));
   EXPECT_TRUE(w->proc->wait_stderr("connection reset by peer while reading BATCH rows (100 of 256 bytes)", 3s))
       << w->proc->err();
   const auto r = run(node_argv({"--coordinator", w->addr(), "--model", golden("f32"), "--prompt-ids", "1,2", "--tokens",

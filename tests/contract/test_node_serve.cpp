@@ -258,7 +258,7 @@ std::string ids_json(const std::vector<int32_t>& ids) { return json(ids).dump();
 long worker_sessions(uint16_t port) {
   try {
     const auto st = pp::node::query_status(pp::net::Peer{"127.0.0.1", port}, pp::net::Millis{2000});
-    return std::stol(st.at("mux_sessions_active"));
+    return std::stol(st.at("sessions_active"));
   } catch (const std::exception&) {
     return -1;
   }

@@ -474,7 +474,7 @@ class HttpServer {
     family("pp_stage_sessions_active", "gauge", "Sessions open on the stage (multiplexed sessions on workers).");
     sample("pp_stage_sessions_active", stage_labels(0), double(m.sessions_active));
     for (std::size_t i = 0; i < hops.size(); ++i)
-      if (auto v = worker_value(i, "mux_sessions_active")) sample("pp_stage_sessions_active", stage_labels(i + 1), *v);
+      if (auto v = worker_value(i, "sessions_active")) sample("pp_stage_sessions_active", stage_labels(i + 1), *v);
     family("pp_stage_compute_seconds_total", "counter", "Time the stage spent computing batches.");
     sample("pp_stage_compute_seconds_total", stage_labels(0), m.stage0_compute_s);
     for (std::size_t i = 0; i < hops.size(); ++i)

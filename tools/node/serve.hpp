@@ -21,6 +21,7 @@
 #include "node/prompt_run.hpp"
 #include "node/openai_api.hpp"
 #include "pp/net/coordinator/scheduler.hpp"
+#include "pp/net/model_worker.hpp"
 #include "node/worker_status.hpp"
 #include "pp/net/probe.hpp"
 

@@ -157,7 +157,9 @@ class RealBackend final : public Backend {
                            std::to_string(stage_->ctx()));
       }
     }
-    Generation gen(*full_, {.max_tokens = std::size_t(std::max(0, max_tokens))});  // greedy, no early stop
+    GenerationOptions opt;  // greedy, no early stop
+    opt.max_tokens = std::size_t(std::max(0, max_tokens));
+    Generation gen(*full_, opt);
     gen.prefill(prompt);
     return gen.run_to_end();
   }

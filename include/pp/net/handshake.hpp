@@ -85,7 +85,7 @@ struct Hop {
 struct Hello {
   uint32_t protocol = kProtocolVersion;
   ModelIdentity model;
-  uint32_t ctx = 0;       // KV capacity every stage allocates; the largest FWD is ctx rows
+  uint32_t ctx = 0;       // KV capacity every stage allocates; the largest BATCH is ctx rows
   uint32_t from = 0;      // where the sender's layers end: the receiver must begin here
   uint32_t stage = 0;     // the receiver's stage index (the coordinator is stage 0)
   std::vector<Hop> chain; // chain[0] is the receiver, then every later worker in order

@@ -1,4 +1,4 @@
-// PCPL version-2 frames (real model): the common 24-byte header plus a 24-byte extension, and their bounds.
+// PCPL version-2 frames (real model): the common 24-byte header plus a 24-byte extension, the handshake and control types.
 #pragma once
 
 #include <array>
@@ -21,20 +21,21 @@ namespace pp::net {
 inline constexpr std::size_t kModelExtBytes = 24;
 inline constexpr std::size_t kModelHeaderBytes = kFrameHeaderBytes + kModelExtBytes;
 
-// Version-2 frame types beyond FWD / RES / ERR (frame.hpp), which keep their numbers.
+// Version-2 frame types. ERR keeps version 1's number (frame.hpp); 1 and 2 (FWD, RES) are version 1's only.
 inline constexpr uint8_t kTypeHello = 3;    // handshake request: text payload (handshake.hpp)
 inline constexpr uint8_t kTypeWelcome = 4;  // handshake accepted: text payload
 inline constexpr uint8_t kTypeStatus = 5;   // request: empty payload; reply: text payload
 inline constexpr uint8_t kTypeAuth = 16;    // pre-shared-key challenge-response before anything else (auth.hpp)
+// After HELLO: the connection's sessions (mux_frame.hpp).
+inline constexpr uint8_t kTypeOpen = 6;      // open a session; answered by OPEN or ERR
+inline constexpr uint8_t kTypeClose = 7;     // close a session (free its KV cache on every stage); no reply
+inline constexpr uint8_t kTypeBatch = 8;     // one step of several sessions: entry table, then their rows
+inline constexpr uint8_t kTypeBatchRes = 9;  // BRES: per BATCH entry, in entry order, its token (+ digest, logits)
+inline constexpr uint8_t kTypeProbe = 10;    // measure this worker: per-layer time, free memory (probe.hpp)
 
 // Residual element types on the wire. Only f32 exists: the residual crosses a cut unrounded, which is
 // what makes a distributed run bit-identical to one process.
 inline constexpr uint8_t kDTypeF32 = 0;
-
-// FWD flags: what the last stage returns with the sampled token (RES payload, in this order).
-inline constexpr uint8_t kFlagDigest = 1;  // SHA-256 of the sampled position's f32 logits (32 bytes)
-inline constexpr uint8_t kFlagLogits = 2;  // the f32 logits themselves ([n_vocab] little-endian)
-inline constexpr uint8_t kKnownFlags = kFlagDigest | kFlagLogits;
 
 // ERR flags: kErrPermanent says another attempt cannot succeed (the peer refuses this model, key or
 // chain), as opposed to a peer that is down, busy or still loading. A coordinator stops resuming on it.
@@ -52,7 +53,7 @@ inline constexpr uint32_t kMaxTextPayload = 64u << 10;
 struct ModelHeader {
   uint8_t type = kTypeFwd;
   uint32_t seq = 0;
-  uint32_t layer_lo = 0;  // the receiver's range (FWD), echoed in the reply
+  uint32_t layer_lo = 0;  // the receiver's range, echoed in the reply
   uint32_t layer_hi = 0;
   uint32_t payload_bytes = 0;
   uint64_t session = 0;  // chosen by the coordinator, the same on every hop of a chain
@@ -68,6 +69,11 @@ inline std::string model_type_name(uint8_t type) {
     case kTypeWelcome: return "WELCOME";
     case kTypeStatus: return "STATUS";
     case kTypeAuth: return "AUTH";
+    case kTypeOpen: return "OPEN";
+    case kTypeClose: return "CLOSE";
+    case kTypeBatch: return "BATCH";
+    case kTypeBatchRes: return "BRES";
+    case kTypeProbe: return "PROBE";
     default: return frame_type_name(type);
   }
 }
@@ -118,11 +124,9 @@ inline ModelHeader decode_model_header(const FrameHeader& h, std::span<const uin
 struct ModelGeometry {
   uint32_t n_embd = 0;   // residual width
   uint32_t n_vocab = 0;
-  uint32_t ctx = 0;      // KV capacity: the most rows one FWD may carry
+  uint32_t ctx = 0;      // KV capacity: the most rows one BATCH may carry
 };
 
-// Bytes of a FWD payload of `rows` rows. rows is a u32 and n_embd at most 2^17, so the product cannot
-// overflow 64 bits; the caller compares it with the u32 payload_bytes before allocating anything.
 // Where the first NaN or infinity of `rows` [n, n_embd] f32 is, named for an ERR: "row R (position P),
 // column C is NaN" with row r at position pos0 + r; empty when every value is finite. A non-finite
 // residual would make every later logit NaN and poison the cache of the positions after it.
@@ -139,12 +143,9 @@ inline std::string first_non_finite(const float* rows, std::size_t n, std::size_
   return {};
 }
 
-inline uint64_t fwd_payload_bytes(uint64_t rows, uint32_t n_embd) { return rows * n_embd * 4; }
-
-// Bytes of a RES payload for these flags: token (i32), then the digest, then the logits.
-inline uint64_t res_payload_bytes(uint8_t flags, uint32_t n_vocab) {
-  return 4 + ((flags & kFlagDigest) ? 32 : 0) + ((flags & kFlagLogits) ? uint64_t{n_vocab} * 4 : 0);
-}
+// Bytes of `rows` f32 residual rows. rows is a u32 and n_embd at most 2^17, so the product cannot
+// overflow 64 bits; callers compare it with the u32 payload_bytes before allocating anything.
+inline uint64_t rows_payload_bytes(uint64_t rows, uint32_t n_embd) { return rows * n_embd * 4; }
 
 // Residual rows and logits go on the wire as the host's f32 bytes; the wire is little-endian.
 static_assert(std::endian::native == std::endian::little, "pp_node sends f32 as host bytes: little-endian only");
@@ -154,35 +155,7 @@ inline std::span<const uint8_t> f32_bytes(std::span<const float> v) {
 }
 
 // What verification compares: SHA-256 of a position's [n_vocab] f32 logits as little-endian bytes
-// (kFlagDigest here, kEntryDigest on a BRES).
+// (what a BATCH entry's kEntryDigest asks for).
 inline Sha256Digest logits_digest(std::span<const float> logits) { return sha256(f32_bytes(logits)); }
-
-// The checks a version-2 FWD must pass before its payload is read or memory is reserved for it.
-// `range` is the receiver's assigned [lo, hi), `session` its session id.
-inline void check_fwd_v2(const ModelHeader& m, const ModelGeometry& g, uint32_t lo, uint32_t hi,
-                         uint64_t session) {
-  const std::string where = "FWD seq " + std::to_string(m.seq) + ": ";
-  if (m.session != session)
-    throw FrameError(where + "session " + std::to_string(m.session) + " != this connection's session " +
-                     std::to_string(session));
-  if (m.layer_lo != lo || m.layer_hi != hi)
-    throw FrameError(where + "layers [" + std::to_string(m.layer_lo) + ", " + std::to_string(m.layer_hi) +
-                     ") != the range assigned in the handshake [" + std::to_string(lo) + ", " +
-                     std::to_string(hi) + ")");
-  if (m.dtype != kDTypeF32)
-    throw FrameError(where + "dtype " + std::to_string(m.dtype) + " is not f32 (0), the only residual dtype");
-  if (m.flags & ~kKnownFlags)
-    throw FrameError(where + "flags 0x" + std::to_string(m.flags) + " has unknown bits (known: 1 digest, 2 logits)");
-  if (m.rows == 0 || m.rows > g.ctx)
-    throw FrameError(where + "rows " + std::to_string(m.rows) + " outside [1, " + std::to_string(g.ctx) +
-                     "] (the KV capacity)");
-  if (m.pos > (uint64_t{1} << 40))
-    throw FrameError(where + "pos " + std::to_string(m.pos) + " > limit 2^40");
-  const uint64_t want = fwd_payload_bytes(m.rows, g.n_embd);
-  if (m.payload_bytes != want)
-    throw FrameError(where + "payload_bytes " + std::to_string(m.payload_bytes) + " != rows " +
-                     std::to_string(m.rows) + " x hidden " + std::to_string(g.n_embd) + " x 4 = " +
-                     std::to_string(want));
-}
 
 }  // namespace pp::net

@@ -1,8 +1,9 @@
 // Version-2 I/O on a Channel, and ModelLink: one end's connection to the next worker of a chain.
 //
 // The coordinator's connection to the first worker and each worker's connection to its next hop are
-// the same thing: send HELLO and read WELCOME, then send FWD and read the RES it causes. Every error
-// names the hop ("worker 10.0.0.2:52100 (stage 2, layers [8, 16))") and what happened.
+// the same thing: authenticate, send HELLO and read WELCOME; then the connection carries multiplexed
+// sessions (mux_frame.hpp). Every error names the hop ("worker 10.0.0.2:52100 (stage 2, layers
+// [8, 16))") and what happened.
 #pragma once
 
 #include <atomic>
@@ -62,48 +63,6 @@ inline std::string read_text(Channel& ch, uint32_t payload_bytes, const std::str
   std::string s(payload_bytes, '\0');
   ch.read_into(std::span(reinterpret_cast<uint8_t*>(s.data()), s.size()), "frame payload");
   return s;
-}
-
-// ---- the RES payload: token, then the digest, then the logits, as the FWD's flags asked ----
-
-struct StepReply {
-  int32_t token = 0;
-  std::optional<Sha256Digest> digest;
-  std::vector<float> logits;  // [n_vocab] when kFlagLogits
-};
-
-// logits: the sampled position's [n_vocab] f32 logits. Sized once, then filled (GCC 12 warns falsely
-// about vector::insert growing a 4-byte vector).
-inline std::vector<uint8_t> encode_res(int32_t token, uint8_t flags, std::span<const float> logits) {
-  const std::span<const uint8_t> raw = f32_bytes(logits);
-  std::vector<uint8_t> out(4 + ((flags & kFlagDigest) ? 32 : 0) + ((flags & kFlagLogits) ? raw.size() : 0));
-  std::memcpy(out.data(), &token, 4);
-  std::size_t off = 4;
-  if (flags & kFlagDigest) {
-    const Sha256Digest d = logits_digest(logits);
-    std::memcpy(out.data() + off, d.data(), d.size());
-    off += d.size();
-  }
-  if (flags & kFlagLogits) std::memcpy(out.data() + off, raw.data(), raw.size());
-  return out;
-}
-
-// The payload's size was checked against res_payload_bytes(flags, n_vocab) before it was read.
-inline StepReply decode_res(std::span<const uint8_t> p, uint8_t flags, uint32_t n_vocab) {
-  StepReply r;
-  std::memcpy(&r.token, p.data(), 4);
-  std::size_t off = 4;
-  if (flags & kFlagDigest) {
-    Sha256Digest d;
-    std::memcpy(d.data(), p.data() + off, d.size());
-    r.digest = d;
-    off += d.size();
-  }
-  if (flags & kFlagLogits) {
-    r.logits.resize(n_vocab);
-    std::memcpy(r.logits.data(), p.data() + off, std::size_t{n_vocab} * 4);
-  }
-  return r;
 }
 
 // ---- the link to the next hop ----
@@ -179,28 +138,6 @@ class ModelLink {
     } catch (const HandshakeError& e) {
       throw Error(who_ + ": malformed WELCOME: " + e.what());
     }
-  }
-
-  void send_fwd(const ModelHeader& fwd, std::span<const uint8_t> rows) {
-    send_model(ch_, fwd, rows);
-    sent_ += kModelHeaderBytes + rows.size();
-  }
-
-  // The RES answering `fwd`, its payload (of exactly the size the flags fix) into `out`.
-  void read_res(const ModelHeader& fwd, uint32_t n_vocab, std::vector<uint8_t>& out) {
-    const ModelHeader h = read_reply_header("FWD seq " + std::to_string(fwd.seq));
-    if (h.type != kTypeRes || h.seq != fwd.seq || h.session != fwd.session)
-      throw FrameError("unexpected reply from " + who_ + ": " + model_type_name(h.type) + " seq " +
-                       std::to_string(h.seq) + " session " + std::to_string(h.session) + " (expected RES seq " +
-                       std::to_string(fwd.seq) + " session " + std::to_string(fwd.session) + ")");
-    const uint64_t want = res_payload_bytes(fwd.flags, n_vocab);
-    if (h.payload_bytes != want)
-      throw FrameError("RES seq " + std::to_string(h.seq) + " from " + who_ + ": payload_bytes " +
-                       std::to_string(h.payload_bytes) + " != " + std::to_string(want) +
-                       " (token, digest and logits as the FWD's flags ask)");
-    out.resize(h.payload_bytes);
-    ch_.read_into(out, "RES payload");
-    received_ += out.size();
   }
 
  private:

@@ -79,7 +79,7 @@ class ModelWorker {
 
   const ModelIdentity& identity() const { return id_; }
   uint32_t max_ctx() const { return opt_.max_ctx; }
-  std::size_t active_sessions() const { return active_.load(); }
+  std::size_t active_connections() const { return active_.load(); }
   std::size_t max_sessions() const { return opt_.max_sessions; }
   bool requires_key() const { return opt_.psk != nullptr; }
   // KV bytes one session holds per layer of its range at --max-ctx (K and V, f32).
@@ -174,6 +174,7 @@ class ModelWorker {
       }
       h = up.read_header();
     }
+    if (s.mux) s.mux->drain();  // an orderly end (a half-close, say): the replies still owed go up first
   }
 
   // What a connection over the server's limit is told, in the version this worker speaks.
@@ -182,8 +183,8 @@ class ModelWorker {
   // key=value lines: what a STATUS request is answered with.
   std::string status_text() const {
     std::lock_guard lock(stats_mu_);
-    std::string s = "sessions_active=" + std::to_string(active_.load()) + "\n" +
-                    "sessions_total=" + std::to_string(total_) + "\n" + "model=" + id_.file + "\n" +
+    std::string s = "connections_active=" + std::to_string(active_.load()) + "\n" +
+                    "connections_total=" + std::to_string(total_) + "\n" + "model=" + id_.file + "\n" +
                     "fingerprint=" + id_.fingerprint + "\n" + "n_layer=" + std::to_string(id_.n_layer) + "\n" +
                     "n_embd=" + std::to_string(id_.n_embd) + "\n" + "max_ctx=" + std::to_string(opt_.max_ctx) + "\n" +
                     "max_sessions=" + std::to_string(opt_.max_sessions) + "\n" +
@@ -194,7 +195,6 @@ class ModelWorker {
  private:
   // One connection's state: nothing until HELLO, then the assigned stage, the next hop and the sessions.
   struct Session {
-    SessionSlot slot;              // first member: released last, after everything below is freed
     ModelWorker* owner = nullptr;  // set once established: the destructor then counts it out
     uint64_t id = 0;
     uint32_t stage_index = 0;
@@ -271,8 +271,6 @@ class ModelWorker {
            "handshake: HELLO without mux=1: this worker serves only multiplexed sessions (OPEN, BATCH, CLOSE); the "
            "coordinator runs an older pp_node: every node must be this version",
            true);
-    s.slot = reserve_session();  // before the next hop, the stage or the cache
-    if (!s.slot) fail(up, m, busy_text());
     s.id = m.session;
     s.stage_index = hello.stage;
     s.range = hello.chain.front().range;

@@ -27,11 +27,6 @@
 
 namespace pp::net {
 
-inline constexpr uint8_t kTypeOpen = 6;      // open a session on a multiplexed connection; answered by OPEN or ERR
-inline constexpr uint8_t kTypeClose = 7;     // close a session (free its KV cache on every stage); no reply
-inline constexpr uint8_t kTypeBatch = 8;     // one step of several sessions: entry table, then their rows
-inline constexpr uint8_t kTypeBatchRes = 9;  // BRES: per BATCH entry, in entry order, its token (+ digest, logits)
-inline constexpr uint8_t kTypeProbe = 10;    // measure this worker: per-layer time, free memory (probe.hpp)
 
 // BATCH payload: u32 n_entries, n_entries x 24-byte entries, then f32 [rows, n_embd] (all big-endian
 // but the rows, which are little-endian f32 like every residual on the wire).
@@ -41,9 +36,9 @@ inline constexpr uint32_t kMaxBatchEntries = 256;     // entries in one BATCH
 inline constexpr std::size_t kMaxMuxSessions = 256;   // sessions open at once on one connection
 inline constexpr uint64_t kKeepaliveSession = 0;      // CLOSE of session 0: a keepalive, ignored
 
-// Entry flags: what the last stage returns with the entry's token, as the FWD flags do on a RES.
-inline constexpr uint8_t kEntryDigest = kFlagDigest;  // SHA-256 of the entry's f32 logits (32 bytes)
-inline constexpr uint8_t kEntryLogits = kFlagLogits;  // the f32 logits themselves ([n_vocab] little-endian)
+// Entry flags: what the last stage returns with the entry's token.
+inline constexpr uint8_t kEntryDigest = 1;  // SHA-256 of the entry's f32 logits (32 bytes)
+inline constexpr uint8_t kEntryLogits = 2;  // the f32 logits themselves ([n_vocab] little-endian)
 inline constexpr uint8_t kKnownEntryFlags = kEntryDigest | kEntryLogits;
 // Entries of one BATCH that may ask for logits: a BRES stays within a few vocabularies of f32.
 inline constexpr uint32_t kMaxLogitsEntries = 4;
@@ -55,16 +50,7 @@ struct BatchEntry {
   uint8_t flags = 0;  // kEntryDigest | kEntryLogits
 };
 
-inline std::string mux_type_name(uint8_t type) {
-  switch (type) {
-    case kTypeOpen: return "OPEN";
-    case kTypeClose: return "CLOSE";
-    case kTypeBatch: return "BATCH";
-    case kTypeBatchRes: return "BRES";
-    case kTypeProbe: return "PROBE";
-    default: return model_type_name(type);
-  }
-}
+inline std::string mux_type_name(uint8_t type) { return model_type_name(type); }
 
 // u32 n, then the entries: the part of a BATCH payload before the rows.
 inline std::vector<uint8_t> encode_batch_table(std::span<const BatchEntry> entries) {
@@ -94,7 +80,7 @@ inline BatchEntry decode_batch_entry(std::span<const uint8_t, kBatchEntryBytes> 
 
 // Bytes of a BATCH payload with n entries and `rows` rows in all.
 inline uint64_t batch_payload_bytes(uint64_t n_entries, uint64_t rows, uint32_t n_embd) {
-  return 4 + n_entries * kBatchEntryBytes + fwd_payload_bytes(rows, n_embd);
+  return 4 + n_entries * kBatchEntryBytes + rows_payload_bytes(rows, n_embd);
 }
 
 // Checks of a BATCH header before any payload byte is read: the connection's session, the receiver's
@@ -177,7 +163,8 @@ inline uint64_t send_batch(Channel& ch, ModelHeader h, std::span<const uint8_t> 
 // flags, 4 bytes per entry.
 inline uint64_t batch_res_bytes(std::span<const BatchEntry> entries, uint32_t n_vocab) {
   uint64_t n = 0;
-  for (const BatchEntry& e : entries) n += res_payload_bytes(e.flags, n_vocab);
+  for (const BatchEntry& e : entries)
+    n += 4 + ((e.flags & kEntryDigest) ? 32 : 0) + ((e.flags & kEntryLogits) ? uint64_t{n_vocab} * 4 : 0);
   return n;
 }
 

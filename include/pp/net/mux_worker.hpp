@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -47,8 +48,8 @@ struct MuxStats {
 
   std::string text() const {
     auto sec = [](uint64_t ns) { return detail::double_text(double(ns) * 1e-9); };
-    return "mux_sessions_active=" + std::to_string(sessions_active.load()) + "\n" +
-           "mux_sessions_total=" + std::to_string(sessions_total.load()) + "\n" +
+    return "sessions_active=" + std::to_string(sessions_active.load()) + "\n" +
+           "sessions_total=" + std::to_string(sessions_total.load()) + "\n" +
            "batches=" + std::to_string(batches.load()) + "\n" + "batch_rows=" + std::to_string(rows.load()) + "\n" +
            "compute_seconds=" + sec(compute_ns.load()) + "\n" + "transfer_seconds=" + sec(transfer_ns.load()) + "\n" +
            "bytes_received=" + std::to_string(bytes_received.load()) + "\n" +
@@ -96,6 +97,16 @@ class MuxConnection {
   }
 
   std::size_t sessions() const { return sessions_.size(); }
+
+  // The upstream ended cleanly (it may have half-closed after its last BATCH): waits, at most the reply
+  // wait, until the next hop has answered everything sent down, so those answers still go up.
+  void drain() {
+    if (!s_.next) return;
+    std::unique_lock lock(wait_mu_);
+    auto done = [&] { return outstanding_ == 0 || relay_done_; };
+    if (s_.reply_wait == kNoTimeout) drained_.wait(lock, done);
+    else drained_.wait_for(lock, s_.reply_wait, done);
+  }
 
   // One frame from upstream (its common header and extension read, its payload not). Throws to end the
   // connection after answering ERR; per-session refusals are answered and do not throw.
@@ -342,6 +353,16 @@ class MuxConnection {
   void relay() {
     Channel& down = s_.next->channel();
     const std::string who = s_.next->who();
+    struct Done {
+      MuxConnection& c;
+      ~Done() {
+        {
+          std::lock_guard lock(c.wait_mu_);
+          c.relay_done_ = true;
+        }
+        c.drained_.notify_all();
+      }
+    } done{*this};
     try {
       while (!stopping_.load()) {
         if (!detail::wait_ready(down.fd().get(), POLLIN, Millis{200})) {
@@ -381,11 +402,6 @@ class MuxConnection {
         s_.next->count_received(kModelHeaderBytes + h.payload_bytes);
         s_.stats->bytes_received += kModelHeaderBytes + h.payload_bytes;
         s_.stats->transfer_ns += elapsed_ns(t0);
-        {
-          std::lock_guard lock(wait_mu_);
-          if (outstanding_ > 0) --outstanding_;
-          last_progress_ = std::chrono::steady_clock::now();
-        }
         h.layer_lo = uint32_t(s_.range.lo);
         h.layer_hi = uint32_t(s_.range.hi);
         if (h.type == kTypeErr) {
@@ -393,9 +409,15 @@ class MuxConnection {
           const std::string text = who + " reports: " + std::string(payload_.begin(), payload_.end());
           if (h.session == s_.connection) throw Error(text);  // the connection below is gone
           send_err_up(h, text);  // one session's OPEN was refused below
-          continue;
+        } else {
+          send_up(h, payload_);
         }
-        send_up(h, payload_);
+        {
+          std::lock_guard lock(wait_mu_);
+          if (outstanding_ > 0) --outstanding_;
+          last_progress_ = std::chrono::steady_clock::now();
+        }
+        drained_.notify_all();
       }
     } catch (const std::exception& e) {
       if (stopping_.load()) return;
@@ -421,6 +443,8 @@ class MuxConnection {
   std::atomic<bool> stopping_{false};
   std::mutex wait_mu_;
   int64_t outstanding_ = 0;  // frames sent down still owed a reply
+  bool relay_done_ = false;  // under wait_mu_
+  std::condition_variable drained_;  // outstanding_ fell, or the relay ended
   std::map<uint32_t, uint64_t> bres_bytes_;  // seq of each BATCH sent down and not yet answered -> its BRES bytes
   std::chrono::steady_clock::time_point last_progress_{};
   // Per-frame buffers, reused.

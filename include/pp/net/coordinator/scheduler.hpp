@@ -37,6 +37,7 @@
 #include "pp/core/buffer.hpp"
 #include "pp/core/error.hpp"
 #include "pp/core/hex.hpp"
+#include "pp/core/printable.hpp"
 #include "pp/kernels/matmul.hpp"
 #include "pp/model.hpp"
 #include "pp/net/auth.hpp"
@@ -536,7 +537,11 @@ class Coordinator {
     if (f == Finish::stop || f == Finish::length) {
       std::string tail = s.dec ? s.stop.feed(s.dec->flush()) : std::string{};
       tail += s.stop.flush();
-      if (!tail.empty()) s.out->push(GenStream::Piece{std::move(tail), {}});
+      if (!tail.empty()) {
+        GenStream::Piece p;
+        p.text = std::move(tail);
+        s.out->push(std::move(p));
+      }
     }
     count_end(f);
     s.out->end(f, s.generated, std::move(error));
@@ -579,7 +584,8 @@ class Coordinator {
       if (it == sessions_.end()) return;
       Session& s = it->second;
       if (r.h.type == kTypeErr) {
-        const std::string why(r.payload.begin(), r.payload.end());
+        const std::string why = (link_ ? link_->who() + " reports: " : std::string()) +
+                                printable(std::string_view(reinterpret_cast<const char*>(r.payload.data()), r.payload.size()), kMaxErrMessageBytes);
         if (s.out) {
           count_end(Finish::error);
           s.out->end(Finish::error, s.generated, why);
@@ -847,13 +853,14 @@ class Coordinator {
     say(why + "\n  resuming: re-establishing the chain and replaying " + std::to_string(positions) + " positions of " +
         std::to_string(sessions_.size()) + " session(s) into it (for up to " + detail::seconds_text(cfg_.resume) + ")");
     std::string last = why;
-    auto give_up = [&](const std::string& how) {
-      for (auto& [id, s] : sessions_) fail_session(s, "the pipeline failed: " + why + "; " + how + last);
+    auto give_up = [&](const std::string& msg) {
+      for (auto& [id, s] : sessions_) fail_session(s, msg);
       sessions_.clear();
     };
     for (int attempt = 0;; ++attempt) {
       if (SteadyClock::now() - t0 >= cfg_.resume) {
-        give_up("could not resume within " + detail::seconds_text(cfg_.resume) + " (--resume); last error: ");
+        give_up("could not resume within " + detail::seconds_text(cfg_.resume) + " (--resume) after: " + why +
+                "; last error: " + last);
         return true;
       }
       if (stopping()) return false;
@@ -862,12 +869,10 @@ class Coordinator {
         connect();
         break;
       } catch (const RefusedError& e) {  // the chain refuses this model or split: retrying cannot help
-        last = e.what();
-        give_up("cannot resume: ");
+        give_up("cannot resume after: " + why + "; " + e.what());
         return true;
       } catch (const AuthError& e) {
-        last = e.what();
-        give_up("cannot resume: ");
+        give_up("cannot resume after: " + why + "; " + e.what());
         return true;
       } catch (const std::exception& e) {
         last = e.what();
