@@ -1,6 +1,7 @@
-// A listening loopback socket that plays a misbehaving peer on one connection, for the coordinator-side
-// fault tests: `behaviour` runs on the accepted connection, which is then held open until the peer is
-// destroyed, so the client sees only what the behaviour did.
+// A listening loopback socket that plays a misbehaving peer, for the coordinator-side fault tests:
+// `behaviour` runs on each accepted connection (up to `connections` of them, one after the other, with
+// its index), which is then held open until the peer is destroyed, so the client sees only what the
+// behaviour did.
 #pragma once
 
 #include <arpa/inet.h>
@@ -15,6 +16,7 @@
 #include <functional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "timing.hpp"
 
@@ -22,7 +24,9 @@ namespace pp::test {
 
 class FakePeer {
  public:
-  explicit FakePeer(std::function<void(int)> behaviour) {
+  explicit FakePeer(std::function<void(int)> behaviour)
+      : FakePeer([b = std::move(behaviour)](int fd, int) { b(fd); }, 1) {}
+  FakePeer(std::function<void(int, int)> behaviour, int connections) {
     fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     sockaddr_in a{};
     a.sin_family = AF_INET;
@@ -32,14 +36,18 @@ class FakePeer {
     socklen_t len = sizeof a;
     ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len);
     port_ = ntohs(a.sin_port);
-    thread_ = std::thread([this, behaviour = std::move(behaviour)] {
-      pollfd p{fd_, POLLIN, 0};
-      if (::poll(&p, 1, int(slack(std::chrono::seconds(10)).count())) <= 0) return;
-      const int conn = ::accept(fd_, nullptr, nullptr);
-      if (conn < 0) return;
-      behaviour(conn);
+    thread_ = std::thread([this, connections, behaviour = std::move(behaviour)] {
+      std::vector<int> open;
+      for (int i = 0; i < connections && !done_.load(); ++i) {
+        pollfd p{fd_, POLLIN, 0};
+        if (::poll(&p, 1, int(slack(std::chrono::seconds(10)).count())) <= 0) break;
+        const int conn = ::accept(fd_, nullptr, nullptr);
+        if (conn < 0) break;
+        open.push_back(conn);
+        behaviour(conn, i);
+      }
       while (!done_.load()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      ::close(conn);
+      for (int conn : open) ::close(conn);
     });
   }
   FakePeer(const FakePeer&) = delete;

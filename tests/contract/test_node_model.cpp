@@ -1067,6 +1067,48 @@ TEST(FaultModel, DifferentProfileAndWrongDigestsAreReported) {
   EXPECT_NE(r.out.find("  MISMATCH pos=2: distributed 000000000000 local "), std::string::npos) << r.out;
 }
 
+// A chain that answers differently once it is re-established: with --resume the replay is checked token by
+// token, and a divergence ends the run naming the position and both tokens.
+TEST(FaultModel, ReplayThatDivergesEndsTheRun) {
+  FakePeer peer(
+      [](int fd, int conn) {
+        pp::net::ModelHeader m;
+        std::vector<uint8_t> p;
+        if (!fake_read_v2(fd, m, p)) return;  // HELLO
+        m.type = pp::net::kTypeWelcome;
+        pp::net::Welcome w;
+        w.mux = true;
+        w.stages.push_back({1, {2, 4}, {pp::simd::Best::name(), 1}, 2048, 0, "fake"});
+        fake_send_v2(fd, m, pp::net::encode_welcome(w));
+        for (int batches = 0; fake_read_v2(fd, m, p);) {
+          if (m.type == pp::net::kTypeOpen) {
+            fake_send_v2(fd, m, "");
+          } else if (m.type == pp::net::kTypeBatch) {
+            if (conn == 0 && ++batches == 4) {  // the first chain fails after three tokens
+              ::shutdown(fd, SHUT_RDWR);
+              return;
+            }
+            const int32_t token = conn == 0 ? 5 : 6;  // the second chain samples another token
+            std::string res(4, '\0');
+            std::memcpy(res.data(), &token, 4);
+            m.type = pp::net::kTypeBatchRes;
+            m.rows = 1;
+            fake_send_v2(fd, m, res);
+          }
+        }
+      },
+      2);
+  const auto r = run(node_argv({"--coordinator", peer.addr(), "--model", golden("f32"), "--prompt-ids", "1,2", "--tokens",
+                                "10", "--ignore-eos", "--threads", "1", "--verify", "none", "--timeout", "2", "--resume",
+                                "30"}));
+  EXPECT_EQ(r.code, 3) << r.out << r.err;
+  EXPECT_NE(r.err.find("resuming: re-establishing the chain and replaying 4 positions"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("replay diverged at position 2: the new chain sampled token 6 where the session had 5"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.out.find("byte-identity:"), std::string::npos) << r.out;
+}
+
 TEST(FaultModel, RandomBytesCloseThatConnectionOnly) {
   auto w = start_node_worker(golden("f32"), {"--timeout", "1"});
   ASSERT_TRUE(w);

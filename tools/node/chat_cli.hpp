@@ -13,11 +13,6 @@
 
 namespace pp::node {
 
-using net::Conversation;
-using net::Finish;
-using net::GenParams;
-using net::GenStream;
-
 struct ChatOptions {
   std::string system;           // optional system message
   uint32_t max_tokens = 512;    // per reply
@@ -52,7 +47,7 @@ inline int run_chat(net::Coordinator& engine, const ChatTemplate& tmpl, const Ch
   const Tokenizer& tok = *engine.tokenizer();
   out << "chat: " << tmpl.description << "\n"
       << "type a message and Enter; an empty line or Ctrl-D ends the chat, /reset starts a new conversation\n";
-  auto conv = std::make_shared<Conversation>();
+  auto conv = std::make_shared<net::Conversation>();
   bool first = true;
   bool close_turn = false;  // the last reply ended without <|eot_id|> (max tokens): the next turn adds it
   std::string line;
@@ -61,7 +56,7 @@ inline int run_chat(net::Coordinator& engine, const ChatTemplate& tmpl, const Ch
     if (!std::getline(in, line) || line.empty()) break;
     if (line == "/reset") {
       engine.end_conversation(conv);
-      conv = std::make_shared<Conversation>();
+      conv = std::make_shared<net::Conversation>();
       first = true;
       close_turn = false;
       out << "(new conversation)\n";
@@ -69,12 +64,12 @@ inline int run_chat(net::Coordinator& engine, const ChatTemplate& tmpl, const Ch
     }
     std::vector<int32_t> ids = chat_turn_ids(tok, tmpl, o.system, line, first, close_turn);
     first = false;
-    GenParams p;
+    net::GenParams p;
     p.sampling = o.sampling;
     p.max_tokens = o.max_tokens;
     p.ignore_eos = o.ignore_eos;
-    std::shared_ptr<GenStream> reply = engine.submit(std::move(ids), p, conv);
-    std::vector<GenStream::Piece> pieces;
+    std::shared_ptr<net::GenStream> reply = engine.submit(std::move(ids), p, conv);
+    std::vector<net::GenStream::Piece> pieces;
     bool more = true;
     while (more) {
       pieces.clear();
@@ -87,12 +82,12 @@ inline int run_chat(net::Coordinator& engine, const ChatTemplate& tmpl, const Ch
       }
     }
     out << "\n";
-    if (reply->finish() == Finish::error) {
+    if (reply->finish() == net::Finish::error) {
       out << "(error: " << reply->error() << ")\n";
       first = true;  // the conversation is gone with the session: start over
-      conv = std::make_shared<Conversation>();
+      conv = std::make_shared<net::Conversation>();
     }
-    close_turn = reply->finish() == Finish::length;
+    close_turn = reply->finish() == net::Finish::length;
   }
   engine.end_conversation(conv);
   out << "\n(chat ended)" << std::endl;

@@ -45,11 +45,6 @@
 
 namespace pp::node {
 
-using net::Conversation;
-using net::Finish;
-using net::GenParams;
-using net::GenStream;
-
 struct HttpOptions {
   std::string host = "127.0.0.1";
   int port = 8080;              // 0: an ephemeral port (printed)
@@ -288,7 +283,7 @@ class HttpServer {
   static constexpr std::chrono::seconds kKeepAlive{1};  // a non-streamed request's wait, then its space interval
 
   // Takes `out`'s output into `pieces` for up to `wait`; true once the generation has ended and all of it is taken.
-  static bool collect(GenStream& out, std::vector<GenStream::Piece>& pieces, std::chrono::milliseconds wait) {
+  static bool collect(net::GenStream& out, std::vector<net::GenStream::Piece>& pieces, std::chrono::milliseconds wait) {
     const auto until = std::chrono::steady_clock::now() + wait;
     for (;;) {
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
@@ -298,9 +293,9 @@ class HttpServer {
   }
 
   // A finished non-streamed generation's status and body: the whole completion, or the error.
-  static std::pair<int, json> whole_response(const ApiRequest& r, const ResponseMeta& meta, const GenStream& out,
-                                             const std::vector<GenStream::Piece>& pieces) {
-    if (out.finish() == Finish::error) return {503, error_body(api_error(503, out.error(), "server_error"))};
+  static std::pair<int, json> whole_response(const ApiRequest& r, const ResponseMeta& meta, const net::GenStream& out,
+                                             const std::vector<net::GenStream::Piece>& pieces) {
+    if (out.finish() == net::Finish::error) return {503, error_body(api_error(503, out.error(), "server_error"))};
     std::string text;
     std::vector<int32_t> tokens;
     for (const auto& p : pieces) {
@@ -314,8 +309,8 @@ class HttpServer {
   // space (JSON allows leading whitespace) is written every second until the body; a client that went away
   // is noticed (a failed write, or the connection seen closed) and its generation cancelled. An error from
   // then on is the body of the 200.
-  static void generate_whole(const ApiRequest& r, const ResponseMeta& meta, GenStream& out, Responder& res) {
-    std::vector<GenStream::Piece> pieces;
+  static void generate_whole(const ApiRequest& r, const ResponseMeta& meta, net::GenStream& out, Responder& res) {
+    std::vector<net::GenStream::Piece> pieces;
     if (collect(out, pieces, kKeepAlive)) {
       const auto [status, body] = whole_response(r, meta, out, pieces);
       send(res, json_response(status, body));
@@ -337,7 +332,7 @@ class HttpServer {
     }
   }
 
-  static void generate_stream(const ApiRequest& r, const ResponseMeta& meta, GenStream& out, Responder& res) {
+  static void generate_stream(const ApiRequest& r, const ResponseMeta& meta, net::GenStream& out, Responder& res) {
     auto last_write = std::chrono::steady_clock::now();
     auto write = [&](const std::string& s) {
       last_write = std::chrono::steady_clock::now();
@@ -346,7 +341,7 @@ class HttpServer {
     if (!res.begin_stream(200, "text/event-stream", {{"Cache-Control", "no-cache"}, {"X-Accel-Buffering", "no"}}))
       return out.cancel();
     if (r.chat && !write(sse(chunk(r, meta, "", {}, std::nullopt, true)))) return out.cancel();
-    std::vector<GenStream::Piece> pieces;
+    std::vector<net::GenStream::Piece> pieces;
     for (;;) {
       pieces.clear();
       const bool more = out.next(pieces, std::chrono::milliseconds(250));
@@ -359,8 +354,8 @@ class HttpServer {
         return out.cancel();
       if (pieces.empty() && res.peer_gone()) return out.cancel();
     }
-    const Finish f = out.finish();
-    if (f == Finish::error) {
+    const net::Finish f = out.finish();
+    if (f == net::Finish::error) {
       write(sse(error_body(api_error(503, out.error(), "server_error"))));
     } else {
       if (!write(sse(chunk(r, meta, "", {}, f)))) return;
@@ -383,7 +378,7 @@ class HttpServer {
     }
     release_body(q);
     const ResponseMeta meta{new_id(chat ? "chatcmpl-" : "cmpl-"), int64_t(std::time(nullptr)), o_.model_id};
-    std::shared_ptr<GenStream> out = engine_.submit(r.prompt, r.gen);
+    std::shared_ptr<net::GenStream> out = engine_.submit(r.prompt, r.gen);
     if (r.stream) generate_stream(r, meta, *out, res);
     else generate_whole(r, meta, *out, res);
     if (!out->done()) out->cancel();

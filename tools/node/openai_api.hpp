@@ -29,11 +29,6 @@
 
 namespace pp::node {
 
-using net::Conversation;
-using net::Finish;
-using net::GenParams;
-using net::GenStream;
-
 using json = nlohmann::json;
 
 struct ApiError {
@@ -69,7 +64,7 @@ struct ApiRequest {
   bool return_tokens = false;   // pp extension: each choice (and chunk) also carries "tokens": [ids]
   bool parse_special = false;   // pp extension (completions): special-token texts in the prompt become their ids
   std::vector<int32_t> prompt;
-  GenParams gen;
+  net::GenParams gen;
 };
 
 // What a request body may hold, checked on its bytes before it is parsed (a DOM of an 8 MiB body of
@@ -402,15 +397,15 @@ inline json usage_json(std::size_t prompt, std::size_t completion) {
   return json{{"prompt_tokens", prompt}, {"completion_tokens", completion}, {"total_tokens", prompt + completion}};
 }
 
-inline json finish_json(Finish f) {
-  if (f == Finish::stop) return "stop";
-  if (f == Finish::length) return "length";
+inline json finish_json(net::Finish f) {
+  if (f == net::Finish::stop) return "stop";
+  if (f == net::Finish::length) return "length";
   return nullptr;
 }
 
 // The whole (non-streamed) response.
 inline json full_response(const ApiRequest& r, const ResponseMeta& m, const std::string& text,
-                          const std::vector<int32_t>& tokens, Finish f, std::size_t prompt, std::size_t completion) {
+                          const std::vector<int32_t>& tokens, net::Finish f, std::size_t prompt, std::size_t completion) {
   json choice = {{"index", 0}, {"finish_reason", finish_json(f)}, {"logprobs", nullptr}};
   if (r.chat) choice["message"] = {{"role", "assistant"}, {"content", text}};
   else choice["text"] = text;
@@ -425,7 +420,7 @@ inline json full_response(const ApiRequest& r, const ResponseMeta& m, const std:
 
 // One streamed chunk. `first` (chat): the delta carries the role.
 inline json chunk(const ApiRequest& r, const ResponseMeta& m, const std::string& text,
-                  const std::vector<int32_t>& tokens, std::optional<Finish> f, bool first = false) {
+                  const std::vector<int32_t>& tokens, std::optional<net::Finish> f, bool first = false) {
   json choice = {{"index", 0}, {"finish_reason", f ? finish_json(*f) : json(nullptr)}, {"logprobs", nullptr}};
   if (r.chat) {
     json delta = json::object();

@@ -14,7 +14,6 @@
 #include <vector>
 
 #include "node/process.hpp"
-#include "node/prompt_run.hpp"
 #include "pp/core/error.hpp"
 #include "pp/core/hex.hpp"
 #include "pp/net/channel.hpp"

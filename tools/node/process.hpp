@@ -1,4 +1,4 @@
-// What every pp_node mode shares with the process: the stop flag set by SIGINT/SIGTERM, and the worker log.
+// What every pp_node mode shares with the process: exit statuses, usage errors, the stop flag set by SIGINT/SIGTERM, the worker log.
 #pragma once
 
 #include <signal.h>
@@ -9,6 +9,16 @@
 #include <string>
 
 namespace pp::node {
+
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitMismatch = 1;  // byte-identity failed (the prototype's status)
+inline constexpr int kExitUsage = 2;
+inline constexpr int kExitFailure = 3;   // a peer died, stalled, refused or sent garbage; or a local error
+
+// A command line that cannot run; pp_node prints it and exits 2.
+struct UsageError {
+  std::string message;
+};
 
 // Set by SIGINT/SIGTERM; accept loops and generations poll it.
 inline std::atomic<bool> g_stop_requested{false};

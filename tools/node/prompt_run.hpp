@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "node/process.hpp"
 #include "pp/core/error.hpp"
 #include "pp/core/hex.hpp"
 #include "pp/local_pipeline.hpp"
@@ -27,21 +28,6 @@
 #include "pp/text/tokenizer.hpp"
 
 namespace pp::node {
-
-using net::Conversation;
-using net::Finish;
-using net::GenParams;
-using net::GenStream;
-
-constexpr int kExitOk = 0;
-constexpr int kExitMismatch = 1;  // byte-identity failed (the prototype's status)
-constexpr int kExitUsage = 2;
-constexpr int kExitFailure = 3;   // a peer died, stalled, refused or sent garbage; or a local error
-
-// A command line that cannot run; pp_node prints it and exits 2.
-struct UsageError {
-  std::string message;
-};
 
 enum class Verify { probe, all, none };
 
@@ -204,7 +190,7 @@ struct Verdict {
 };
 
 inline Verdict verify_tokens(std::shared_ptr<const Model> model, const std::vector<int>& cuts, const StageOptions& so,
-                             std::span<const int32_t> prompt, std::span<const GenStream::Piece> steps, std::size_t n) {
+                             std::span<const int32_t> prompt, std::span<const net::GenStream::Piece> steps, std::size_t n) {
   Verdict v;
   LocalPipeline ref(std::move(model), cuts, WireDType::F32, so);
   std::vector<float> logits(ref.config().n_vocab);
@@ -235,7 +221,7 @@ inline Verdict verify_tokens(std::shared_ptr<const Model> model, const std::vect
   return v;
 }
 
-inline void print_report(std::span<const GenStream::Piece> steps, std::size_t prompt, double prefill_s, double decode_s,
+inline void print_report(std::span<const net::GenStream::Piece> steps, std::size_t prompt, double prefill_s, double decode_s,
                          uint64_t prefill_bytes, uint64_t decode_bytes, const net::CoordinatorMetrics& m,
                          const Config& cfg, std::size_t n_hops, const std::string& verify_note) {
   const std::size_t n_decode = steps.empty() ? 0 : steps.size() - 1;
@@ -329,9 +315,9 @@ inline int run_model_coordinator(const ModelRunOptions& o) {
   params.logits_tokens = logits_file.is_open() ? SIZE_MAX : 0;
   coord.start();
   const auto t0 = clock::now();
-  const std::shared_ptr<GenStream> out = coord.submit(prompt, params);
-  std::vector<GenStream::Piece> steps;  // one per generated token, text and logits dropped
-  std::vector<GenStream::Piece> got;
+  const std::shared_ptr<net::GenStream> out = coord.submit(prompt, params);
+  std::vector<net::GenStream::Piece> steps;  // one per generated token, text and logits dropped
+  std::vector<net::GenStream::Piece> got;
   clock::time_point t_first, t_last;
   uint64_t first_bytes = 0, last_bytes = 0;
   const bool ids = coord.tokenizer() == nullptr;
@@ -339,7 +325,7 @@ inline int run_model_coordinator(const ModelRunOptions& o) {
   for (bool more = true; more;) {
     got.clear();
     more = out->next(got, std::chrono::milliseconds(100));
-    for (GenStream::Piece& p : got) {
+    for (net::GenStream::Piece& p : got) {
       if (!p.text.empty()) std::cout << p.text;
       if (p.token < 0) continue;  // the text held back until the end
       (steps.empty() ? t_first : t_last) = clock::now();
@@ -360,7 +346,7 @@ inline int run_model_coordinator(const ModelRunOptions& o) {
       out->cancel();
     }
   }
-  if (out->finish() == Finish::error) throw Error(out->error());
+  if (out->finish() == net::Finish::error) throw Error(out->error());
   const net::CoordinatorMetrics m = coord.metrics();
   coord.shutdown();
   if (logits_file.is_open() && !logits_file.flush()) throw Error("writing --logits-out '" + o.logits_out + "' failed");
