@@ -219,6 +219,17 @@ inline std::optional<NodeWorker> start_listening(const std::vector<std::string>&
   return w;
 }
 
+// `pp_node --worker --model model` on 127.0.0.1:`port` (0: ephemeral; a fixed one lets a test restart a
+// killed worker where its chain expects it), one thread, then `extra`.
+inline std::optional<NodeWorker> start_node_worker(const std::string& model, uint16_t port,
+                                                   const std::vector<std::string>& extra = {},
+                                                   Millis timeout = Millis{10000}) {
+  std::vector<std::string> argv = {node_bin(), "--worker", "--model", model, "--host", "127.0.0.1",
+                                   "--port", std::to_string(port), "--threads", "1"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  return start_listening(argv, timeout, R"(listening on 127\.0\.0\.1:(\d+))");
+}
+
 // "addr,addr,...": the --coordinator chain of workers.
 inline std::string chain_of(const std::vector<const NodeWorker*>& ws) {
   std::string s;

@@ -30,6 +30,7 @@
 #include "../common/fixtures.hpp"
 #include "../common/http_bad_bodies.hpp"
 #include "../common/node_process.hpp"
+#include "../common/sse_stream.hpp"
 #include "node/chat_template.hpp"
 #include "node/worker_status.hpp"
 #include "pp/generation.hpp"
@@ -59,18 +60,23 @@ struct Model {
     if (pp::test::shared_fixtures().empty() || !fs::exists(vocab)) return;
     char tmpl[] = "/tmp/pp_node_serve_test.XXXXXX";
     dir = mkdtemp(tmpl);
-    pp::synth::Spec s;
-    s.n_embd = 64, s.n_layer = 6, s.n_head = 4, s.n_head_kv = 2, s.n_ff = 128, s.ctx = 2048, s.seed = 21;
-    s.vocab_from = vocab.string();
-    s.name = "pp-synth-serve";
-    path = (dir / "serve.gguf").string();
-    pp::synth::write(s, path);
+    path = synth_model("serve.gguf", 21, "pp-synth-serve");
     pp::MappedFile f(path);
     tok = pp::Tokenizer::from_gguf(pp::gguf::parse(f.bytes()));
   }
   ~Model() {
     std::error_code ec;
     if (!dir.empty()) fs::remove_all(dir, ec);
+  }
+  // A model file in `dir`: the same geometry and vocabulary for every seed; the name and the weights differ.
+  std::string synth_model(const std::string& name, uint64_t seed, const std::string& model_name) const {
+    pp::synth::Spec s;
+    s.n_embd = 64, s.n_layer = 6, s.n_head = 4, s.n_head_kv = 2, s.n_ff = 128, s.ctx = 2048, s.seed = seed;
+    s.vocab_from = (pp::test::shared_fixtures() / "llama3-vocab-only.gguf").string();
+    s.name = model_name;
+    const std::string out = (dir / name).string();
+    pp::synth::write(s, out);
+    return out;
   }
 };
 
@@ -127,15 +133,17 @@ std::optional<uint16_t> port_in(const std::string& out, const std::string& patte
 }
 
 // n_workers workers and a coordinator serving HTTP on an ephemeral port.
-// worker_extra: more arguments for every worker.
+// worker_extra: more arguments for every worker; worker_ports: fixed ports for the first ones (0: ephemeral).
 std::optional<Pipeline> start_pipeline(std::size_t n_workers, const std::vector<std::string>& cuts,
                                        const std::vector<std::string>& extra = {},
-                                       const std::vector<std::string>& worker_extra = {}) {
+                                       const std::vector<std::string>& worker_extra = {},
+                                       const std::vector<uint16_t>& worker_ports = {}) {
   Pipeline p;
   std::string chain;
   for (std::size_t i = 0; i < n_workers; ++i) {
+    const uint16_t fixed = i < worker_ports.size() ? worker_ports[i] : 0;
     std::vector<std::string> wargv = {node_bin(), "--worker", "--model", model().path, "--host",
-                                      "127.0.0.1", "--port", "0", "--threads", "1"};
+                                      "127.0.0.1", "--port", std::to_string(fixed), "--threads", "1"};
     wargv.insert(wargv.end(), worker_extra.begin(), worker_extra.end());
     auto w = std::make_unique<Process>(wargv);
     if (!w->wait_output("  (Ctrl-C to stop)", 10s)) {
@@ -579,7 +587,8 @@ TEST_F(ServeTwoStages, MetricsParseAndNameEveryStage) {
   EXPECT_NE(res->get_header_value("Content-Type").find("text/plain"), std::string::npos);
   const auto m = parse_metrics(res->body);
   for (const char* name : {"pp_tokens_generated_total", "pp_tokens_per_second", "pp_queue_depth", "pp_sessions_active",
-                           "pp_prompt_tokens_total", "pp_time_to_first_token_seconds_count", "pp_pipeline_up"})
+                           "pp_prompt_tokens_total", "pp_time_to_first_token_seconds_count", "pp_pipeline_up",
+                           "pp_resumes_total", "pp_replayed_positions_total"})
     EXPECT_TRUE(m.count(name)) << name << " missing in:\n" << res->body;
   const std::string w = "127.0.0.1:" + std::to_string(p().worker_ports[0]);
   for (const std::string& key : std::vector<std::string>{
@@ -593,6 +602,8 @@ TEST_F(ServeTwoStages, MetricsParseAndNameEveryStage) {
   EXPECT_GT(m.at("pp_tokens_generated_total"), 0);
   EXPECT_GT(m.at("pp_stage_compute_seconds_total{stage=\"1\",layers=\"3-6\",instance=\"" + w + "\"}"), 0);
   EXPECT_EQ(m.at("pp_pipeline_up"), 1);
+  EXPECT_EQ(m.at("pp_resumes_total"), 0);  // not served with --resume; nothing failed
+  EXPECT_EQ(m.at("pp_replayed_positions_total"), 0);
 
   const auto models = c->Get("/v1/models");
   ASSERT_TRUE(models);
@@ -839,6 +850,154 @@ TEST(ServeFaults, WorkerLossFailsTheStreamAndTheChainReconnects) {
   ASSERT_EQ(r.status, 200) << r.raw;
   EXPECT_EQ(tokens_of(r.body), reference(encode("back"), 5));
   EXPECT_EQ(health(), 200);
+}
+
+// ---------------------------------------------------------------- --resume
+
+// Serving with --resume: the last worker killed mid-stream and restarted (same port, same file). The chain
+// is re-established and every open session replayed into it; each stream completes as if nothing had
+// happened, with exactly the tokens of pp_generate's loop (the coordinator checks every replayed token).
+TEST(ServeFaults, ResumeReplaysStreamsAcrossAWorkerRestart) {
+  REQUIRE_MODEL();
+  constexpr std::size_t kTokens = 300;  // far more than have been generated when the worker dies
+  constexpr int kEventsBeforeKill = 20;
+  // Two workers (--cuts 2,4), the last on a fixed port to be restarted where the chain expects it.
+  auto p = start_pipeline(2, {"--cuts", "2,4"}, {"--resume", "60"}, {}, {0, pp::test::free_port()});
+  ASSERT_TRUE(p);
+  struct Job {
+    const char* prompt;
+    pp::SamplingParams sp;
+    json fields;
+  };
+  pp::SamplingParams seeded, hot;
+  seeded.temperature = 0.8, seeded.top_k = 40, seeded.top_p = 0.95, seeded.min_p = 0.02, seeded.seed = 1234;
+  hot.temperature = 1.1, hot.seed = 99;
+  const std::vector<Job> jobs = {
+      {"Once upon a time", seeded, {{"temperature", 0.8}, {"top_k", 40}, {"top_p", 0.95}, {"min_p", 0.02}, {"seed", 1234}}},
+      {"The capital of France is", {}, {{"temperature", 0}}},
+      {"Roses are red", hot, {{"temperature", 1.1}, {"seed", 99}}},
+  };
+  std::vector<std::vector<int32_t>> want;
+  for (const Job& j : jobs) want.push_back(reference(encode(j.prompt), kTokens, j.sp));
+
+  // Once every stream has had kEventsBeforeKill events, the client that sees it first kills the last worker.
+  std::vector<pp::test::BackgroundStream> streams(jobs.size());
+  std::atomic<bool> kill_claimed{false}, killed{false};
+  auto maybe_kill = [&] {
+    for (const auto& s : streams)
+      if (s.events < kEventsBeforeKill) return;
+    if (kill_claimed.exchange(true)) return;
+    p->workers.back()->kill_hard();
+    killed = true;
+  };
+  for (std::size_t i = 0; i < jobs.size(); ++i) {
+    json body = {{"prompt", jobs[i].prompt}, {"max_tokens", kTokens}, {"stream", true}, {"return_tokens", true}};
+    body.update(jobs[i].fields);
+    streams[i].start(p->port, "/v1/completions", body.dump(), 25s, maybe_kill);
+  }
+  while (!killed && !std::all_of(streams.begin(), streams.end(), [](const auto& s) { return s.ended.load(); }))
+    std::this_thread::sleep_for(5ms);
+  // The coordinator notices and retries (connection refused) until the worker is back on its port.
+  const bool resuming = killed && p->coordinator->wait_stderr("resuming: re-establishing the chain", 30s);
+  auto back = resuming ? pp::test::start_node_worker(model().path, p->worker_ports.back()) : std::nullopt;
+  const bool resumed = back && p->coordinator->wait_stderr("resumed in ", 60s);
+  for (auto& s : streams) s.join();
+  ASSERT_TRUE(killed) << "every stream ended before the worker was killed";
+  ASSERT_TRUE(resuming) << p->coordinator->err();
+  ASSERT_TRUE(back);
+  p->workers.back() = std::move(back->proc);
+  ASSERT_TRUE(resumed) << p->coordinator->err();
+
+  for (std::size_t i = 0; i < streams.size(); ++i) {
+    const auto& s = streams[i];
+    EXPECT_EQ(s.status, 200) << "stream " << i;
+    ASSERT_FALSE(s.failed()) << "stream " << i << " failed: " << s.raw.substr(s.raw.size() > 600 ? s.raw.size() - 600 : 0);
+    const Streamed got = parse_sse(s.raw, false);
+    EXPECT_EQ(got.tokens, want[i]) << "stream " << i;
+    EXPECT_EQ(got.finish, want[i].size() == kTokens ? "length" : "stop") << "stream " << i;
+    EXPECT_TRUE(got.done) << "stream " << i << ": no data: [DONE]";
+  }
+  const std::string err = p->coordinator->err();
+  EXPECT_NE(err.find("positions of 3 session(s) into it (for up to 60.0 s)"), std::string::npos)
+      << "not every stream was in progress when the worker died:\n" << err;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(err, m, std::regex(R"(resumed in \d+ ms: new connection [0-9a-f]+, (\d+) positions to replay)")))
+      << err;
+  const auto metrics = parse_metrics(p->client()->Get("/metrics")->body);
+  EXPECT_EQ(metrics.at("pp_resumes_total"), 1);
+  EXPECT_EQ(metrics.at("pp_replayed_positions_total"), std::stod(m[1]));
+  EXPECT_GE(metrics.at("pp_replayed_positions_total"), 3 * kEventsBeforeKill);
+  EXPECT_EQ(metrics.at("pp_requests_total{outcome=\"ok\"}"), 3);
+  EXPECT_EQ(metrics.at("pp_requests_total{outcome=\"error\"}"), 0);
+  EXPECT_TRUE(wait_worker_sessions(*p, 0, 5s)) << "a worker still holds a replayed session";
+}
+
+// Serving with --resume: the last worker killed mid-stream and restarted with another model file. The new
+// chain refuses the coordinator's model for good: the stream ends at once with the refusal (not after the
+// 60 s of --resume); the next request tries the chain again and gets a 503 naming the refusal; once the
+// right file is back on that port, the next request re-establishes the chain and is served.
+TEST(ServeFaults, ResumeStopsAtAWorkerWithAnotherModel) {
+  REQUIRE_MODEL();
+  const std::string other = model().synth_model("other.gguf", 22, "pp-synth-serve-other");
+  // Two workers (--cuts 2,4), the last on a fixed port to be restarted where the chain expects it.
+  auto p = start_pipeline(2, {"--cuts", "2,4"}, {"--resume", "60"}, {}, {0, pp::test::free_port()});
+  ASSERT_TRUE(p);
+  pp::test::BackgroundStream s;
+  std::atomic<bool> kill_claimed{false}, killed{false};
+  const json body = {{"prompt", "Doomed"}, {"max_tokens", 1500}, {"temperature", 0}, {"stream", true}, {"ignore_eos", true}};
+  s.start(p->port, "/v1/completions", body.dump(), 25s, [&] {
+    if (s.events < 3 || kill_claimed.exchange(true)) return;
+    p->workers.back()->kill_hard();
+    killed = true;
+  });
+  while (!killed && !s.ended) std::this_thread::sleep_for(5ms);
+  const bool resuming = killed && p->coordinator->wait_stderr("resuming: re-establishing the chain", 30s);
+  auto back = resuming ? pp::test::start_node_worker(other, p->worker_ports.back()) : std::nullopt;
+  const auto t_back = Clock::now();
+  s.join();
+  const auto took = Clock::now() - t_back;
+  ASSERT_TRUE(killed) << "the stream ended before the worker was killed";
+  ASSERT_TRUE(resuming) << p->coordinator->err();
+  ASSERT_TRUE(back);
+  p->workers.back() = std::move(back->proc);
+  // Retrying until --resume runs out would take 60 s; a refusal ends the stream at its first attempt.
+  EXPECT_LT(took, 40s) << "the stream ended " << std::chrono::duration<double>(took).count() << " s after the restart";
+  const std::string tail = s.raw.substr(s.raw.size() > 1500 ? s.raw.size() - 1500 : 0);
+  EXPECT_EQ(s.status, 200);
+  EXPECT_TRUE(s.failed()) << tail;
+  EXPECT_NE(s.raw.find("cannot resume after: "), std::string::npos) << tail;
+  EXPECT_NE(s.raw.find("handshake: different model file"), std::string::npos) << tail;
+  EXPECT_EQ(s.raw.find("\"finish_reason\":\"length\""), std::string::npos) << tail;
+  EXPECT_NE(s.raw.find("data: [DONE]"), std::string::npos) << tail;
+  EXPECT_EQ(p->coordinator->err().find("resumed in "), std::string::npos) << p->coordinator->err();
+
+  // The next generation reconnects; the chain still refuses the model: a 503 naming the refusal.
+  const Reply refused = post(*p, "/v1/completions", R"({"prompt":"x","max_tokens":2,"temperature":0})");
+  EXPECT_EQ(refused.status, 503) << refused.raw;
+  const std::string msg = refused.body.value("error", json::object()).value("message", "");
+  EXPECT_NE(msg.find("the pipeline is unavailable: "), std::string::npos) << refused.raw;
+  EXPECT_NE(msg.find("handshake: different model file"), std::string::npos) << refused.raw;
+  EXPECT_TRUE(p->coordinator->running()) << p->coordinator->err();
+  // The first /health (no STATUS probe made yet) answers from the link's error: why resuming gave up.
+  const auto health = p->client()->Get("/health");
+  ASSERT_TRUE(health) << "/health did not answer";
+  EXPECT_EQ(health->status, 503) << health->body;
+  EXPECT_NE(health->body.find("cannot resume after: "), std::string::npos) << health->body;
+  EXPECT_NE(health->body.find("different model file"), std::string::npos) << health->body;
+  const auto metrics = parse_metrics(p->client()->Get("/metrics")->body);
+  EXPECT_EQ(metrics.at("pp_resumes_total"), 0);
+  EXPECT_EQ(metrics.at("pp_pipeline_up"), 0);
+  EXPECT_EQ(metrics.at("pp_requests_total{outcome=\"error\"}"), 2);
+
+  // The right file back on that port: the next request re-establishes the chain.
+  p->workers.back()->kill_hard();
+  auto w = pp::test::start_node_worker(model().path, p->worker_ports.back());
+  ASSERT_TRUE(w);
+  p->workers.back() = std::move(w->proc);
+  const Reply r = post(*p, "/v1/completions", R"({"prompt":"back","max_tokens":5,"temperature":0,"return_tokens":true})");
+  ASSERT_EQ(r.status, 200) << r.raw;
+  EXPECT_EQ(tokens_of(r.body), reference(encode("back"), 5));
+  EXPECT_TRUE(wait_worker_sessions(*p, 0, 5s));
 }
 
 // ================================================================ the terminal chat

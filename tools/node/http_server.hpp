@@ -462,6 +462,10 @@ class HttpServer {
     sample("pp_time_to_first_token_seconds_count", "", double(m.ttft_count));
     family("pp_pipeline_up", "gauge", "1 when the coordinator's connection to the chain is up.");
     sample("pp_pipeline_up", "", m.link_up ? 1 : 0);
+    family("pp_resumes_total", "counter", "Chains re-established after a failure with every open session replayed (--resume).");
+    sample("pp_resumes_total", "", double(m.resumes));
+    family("pp_replayed_positions_total", "counter", "Positions replayed into re-established chains (--resume).");
+    sample("pp_replayed_positions_total", "", double(m.replayed_positions));
 
     family("pp_stage_up", "gauge", "1 when the stage answered STATUS just now (stage 0: the coordinator).");
     sample("pp_stage_up", stage_labels(0), 1);

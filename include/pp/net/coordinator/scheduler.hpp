@@ -854,6 +854,10 @@ class Coordinator {
         std::to_string(sessions_.size()) + " session(s) into it (for up to " + detail::seconds_text(cfg_.resume) + ")");
     std::string last = why;
     auto give_up = [&](const std::string& msg) {
+      {
+        std::lock_guard lock(metrics_mu_);
+        metrics_.link_error = msg;  // why the chain is still down (/health), not only the failure it followed
+      }
       for (auto& [id, s] : sessions_) fail_session(s, msg);
       sessions_.clear();
     };
