@@ -284,7 +284,7 @@ int run_model(const Cli& c, const pp::net::ServerOptions& options, Millis timeou
     const std::size_t n_workers = c.cuts.empty() ? 1 : c.cuts.size();
     return pp::node::run_model_selftest(std::move(run), n_workers, wopt, options);
   }
-  run.workers = parse_workers(c.coordinator, static_cast<uint16_t>(c.port));
+  if (!c.coordinator.empty()) run.workers = parse_workers(c.coordinator, static_cast<uint16_t>(c.port));
   if (c.serve || c.chat) return run_serving(c, run, model);
   if (c.cuts_auto) throw UsageError{"--cuts auto needs --serve or --chat"};
   install_stop_handlers();  // Ctrl-C ends the generation after the current token, with its report
@@ -293,8 +293,16 @@ int run_model(const Cli& c, const pp::net::ServerOptions& options, Millis timeou
 }
 
 int run(const Cli& c) {
-  const int modes = int{c.selftest} + int{c.worker} + int{!c.coordinator.empty()};
-  if (modes != 1) throw UsageError{"exactly one of --selftest, --worker, --coordinator HOST is required"};
+  // --serve / --chat with --model and no --coordinator: the whole model in this process.
+  const bool one_process = (c.serve || c.chat) && c.coordinator.empty() && !c.selftest && !c.worker;
+  if (one_process && c.model.empty()) throw UsageError{"--serve and --chat need --model (a GGUF file or an Ollama tag)"};
+  const int modes = int{c.selftest} + int{c.worker} + int{!c.coordinator.empty()} + int{one_process};
+  if (modes != 1)
+    throw UsageError{"exactly one of --selftest, --worker, --coordinator HOST (or --serve / --chat with --model alone) "
+                     "is required"};
+  if ((c.serve || c.chat) && (c.selftest || c.worker))
+    throw UsageError{std::string(c.serve ? "--serve" : "--chat") + " runs a coordinator: give --coordinator HOST,... "
+                     "(or only --model for one process), not --" + (c.selftest ? "selftest" : "worker")};
   require_range("--max-payload", c.max_payload, 4, UINT32_MAX);
   require_range("--max-layer-range", c.max_layer_range, 1, UINT32_MAX);
   require_range("--max-connections", c.max_connections, 1, 65536);

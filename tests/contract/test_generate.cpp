@@ -60,7 +60,10 @@ TEST(Generate, Bf16SimulatedSplitEqualsHandChainedStages) {
   const auto out = std::filesystem::temp_directory_path() / ("pp_gen_" + std::to_string(getpid()) + ".json");
   for (const std::vector<int>& cuts : {std::vector<int>{2}, std::vector<int>{1, 3}, std::vector<int>{1, 2, 3}}) {
     std::string cs;
-    for (int c : cuts) cs += (cs.empty() ? "" : ",") + std::to_string(c);
+    for (int c : cuts) {
+      if (!cs.empty()) cs += ',';
+      cs += std::to_string(c);
+    }
     ASSERT_EQ(0, run_generate({"-m", tiny(), "--prompt-ids", "496,198,303,365,321,74,280", "-n", "6", "--wire", "bf16",
                                "--cuts", cs, "--logits-out", out.string()}));
     const auto j = pp::test::load_json(out);

@@ -156,8 +156,9 @@ std::optional<Pipeline> start_pipeline(std::size_t n_workers, const std::vector<
     chain += (chain.empty() ? "" : ",") + std::string("127.0.0.1:") + std::to_string(*port);
     p.workers.push_back(std::move(w));
   }
-  std::vector<std::string> argv = {node_bin(), "--coordinator", chain, "--model", model().path, "--serve",
-                                   "--http-port", "0", "--threads", "1"};
+  // No workers: the whole model in the coordinator's process.
+  std::vector<std::string> argv = {node_bin(), "--model", model().path, "--serve", "--http-port", "0", "--threads", "1"};
+  if (n_workers) argv.insert(argv.begin() + 1, {"--coordinator", chain});
   if (!cuts.empty()) argv.insert(argv.end(), cuts.begin(), cuts.end());
   argv.insert(argv.end(), extra.begin(), extra.end());
   p.coordinator = std::make_unique<Process>(argv);
@@ -1021,6 +1022,80 @@ TEST(ServeChat, TerminalChatStreamsRepliesAndKeepsTheConversation) {
 
   // The reference: turn 1, then its last token, the end of turn, turn 2, all in one sequence.
   pp::LocalPipeline pipe(model().path, {3}, pp::WireDType::F32, {.threads = 1});
+  std::vector<float> logits(pipe.config().n_vocab);
+  pp::Sampler sampler;
+  int64_t pos = 0;
+  auto generate = [&](std::vector<int32_t> feed) {
+    std::vector<int32_t> out;
+    for (int i = 0; i < 8; ++i) {
+      pipe.run(feed, pos, logits.data(), 1);
+      pos += int64_t(feed.size());
+      out.push_back(sampler.sample(logits, {}, pos));
+      feed.assign(1, out.back());
+    }
+    return out;
+  };
+  const auto turn1 = generate(chat_ids({{"user", "Hello"}}));
+  std::vector<int32_t> feed2{turn1.back()};
+  const auto rest = model().tok->encode("<|eot_id|>" + pp::node::render_turn("user", "And then?") +
+                                            pp::node::kAssistantHeader, false, true);
+  feed2.insert(feed2.end(), rest.begin(), rest.end());
+  const auto turn2 = generate(feed2);
+  const std::string expect = "> " + text_of(turn1) + "\n\n> " + text_of(turn2) + "\n";
+  EXPECT_NE(r.out.find(expect), std::string::npos) << "expected\n" << expect << "\nin\n" << r.out;
+}
+
+// ---------------------------------------------------------------- one process (no workers)
+
+// `--serve --model M` alone: the same scheduler over one stage holding every layer and the head.
+TEST(ServeOneProcess, CompletionsConcurrentRequestsAndMetrics) {
+  REQUIRE_MODEL();
+  auto p = start_pipeline(0, {});
+  ASSERT_TRUE(p);
+  EXPECT_NE(p->coordinator->out().find("1 stages"), std::string::npos) << p->coordinator->out();
+  const auto prompt = encode("The capital of France is");
+  const Reply greedy = post(*p, "/v1/completions", R"({"prompt":"The capital of France is","max_tokens":12,"temperature":0,"return_tokens":true})");
+  ASSERT_EQ(greedy.status, 200) << greedy.raw;
+  EXPECT_EQ(tokens_of(greedy.body), reference(prompt, 12));
+  pp::SamplingParams sp;
+  sp.temperature = 0.9, sp.top_k = 50, sp.seed = 7;
+  const Reply seeded = post(*p, "/v1/completions",
+                            R"({"prompt":"The capital of France is","max_tokens":16,"temperature":0.9,"top_k":50,"seed":7,"return_tokens":true})");
+  ASSERT_EQ(seeded.status, 200) << seeded.raw;
+  EXPECT_EQ(tokens_of(seeded.body), reference(prompt, 16, sp));
+  // Four at once are batched together and each still gets the tokens it gets alone.
+  const std::vector<std::string> prompts = {"One", "Two words", "Three little words", "Four"};
+  std::vector<std::thread> ts;
+  std::vector<Reply> replies(prompts.size());
+  for (std::size_t i = 0; i < prompts.size(); ++i)
+    ts.emplace_back([&, i] {
+      replies[i] = post(*p, "/v1/completions",
+                        json{{"prompt", prompts[i]}, {"max_tokens", 20}, {"temperature", 0}, {"return_tokens", true}}.dump());
+    });
+  for (auto& t : ts) t.join();
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    ASSERT_EQ(replies[i].status, 200) << replies[i].raw;
+    EXPECT_EQ(tokens_of(replies[i].body), reference(encode(prompts[i]), 20)) << prompts[i];
+  }
+  const auto m = parse_metrics(p->client()->Get("/metrics")->body);
+  EXPECT_EQ(m.at("pp_requests_total{outcome=\"ok\"}"), 6);
+  EXPECT_GE(m.at("pp_tokens_generated_total"), 12 + 16 + 4 * 20 - 4);  // a prompt may end early at end-of-generation
+  EXPECT_EQ(m.at("pp_pipeline_up"), 1);
+  const auto h = p->client()->Get("/health");
+  ASSERT_TRUE(h);
+  EXPECT_EQ(h->status, 200) << h->body;
+}
+
+// `--chat --model M` alone: the terminal chat in one process.
+TEST(ServeChat, OneProcessChatStreamsRepliesAndKeepsTheConversation) {
+  REQUIRE_MODEL();
+  const fs::path input = model().dir / "chat-input-1p.txt";
+  std::ofstream(input) << "Hello\nAnd then?\n";
+  const std::string cmd = node_bin() + " --model " + model().path + " --chat --tokens 8 --threads 1 < " + input.string();
+  const pp::test::RunResult r = pp::test::run_process({"/bin/sh", "-c", cmd}, 25s);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("(chat ended)"), std::string::npos) << r.out;
+  pp::LocalPipeline pipe(model().path, {}, pp::WireDType::F32, {.threads = 1});
   std::vector<float> logits(pipe.config().n_vocab);
   pp::Sampler sampler;
   int64_t pos = 0;

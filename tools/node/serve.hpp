@@ -132,7 +132,7 @@ inline void print_stages(const net::Coordinator& e) {
 
 // Brings the pipeline up and serves until *stop (HTTP) or the end of the chat. Returns the exit status.
 inline int run_serve(const ModelRunOptions& run, const ServeOptions& so, const std::atomic<bool>* stop) {
-  if (run.workers.empty()) throw UsageError{"--coordinator needs at least one worker HOST[:PORT]"};
+  if (run.workers.empty() && so.cuts_auto) throw UsageError{"--cuts auto needs workers (--coordinator HOST,...)"};
   if (so.parallel < 1 || so.parallel > net::kMaxMuxSessions)
     throw UsageError{"--parallel " + std::to_string(so.parallel) + " outside [1, " + std::to_string(net::kMaxMuxSessions) + "]"};
   // The HTTP address is bound first, so a taken port is reported (with the reason) before the pipeline

@@ -22,6 +22,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <map>
@@ -46,6 +47,7 @@
 #include "pp/net/handshake.hpp"
 #include "pp/net/mux_frame.hpp"
 #include "pp/stage.hpp"
+#include "pp/text/sampler.hpp"
 #include "pp/text/stop_strings.hpp"
 #include "pp/text/tokenizer.hpp"
 
@@ -98,9 +100,12 @@ class Coordinator {
   static constexpr std::size_t kBatchRows = 128;
 
   // Reads the model's identity and geometry; maps nothing yet.
+  // No workers: the whole model runs here (stage 0 is every layer and the head), through the same
+  // scheduler, batches and metrics.
   explicit Coordinator(CoordinatorConfig cfg) : cfg_(std::move(cfg)), config_(cfg_.model->config()) {
-    if (cfg_.workers.empty() || cfg_.cuts.size() != cfg_.workers.size())
-      throw RequestError("a coordinator needs one cut per worker and at least one worker");
+    if (cfg_.cuts.size() != cfg_.workers.size())
+      throw RequestError("a coordinator needs one cut per worker (" + std::to_string(cfg_.cuts.size()) + " for " +
+                         std::to_string(cfg_.workers.size()) + ")");
     id_ = identify_model(*cfg_.model, cfg_.name);
     ctx_ = cfg_.ctx ? cfg_.ctx : uint32_t(cfg_.model->default_ctx());
     tok_ = cfg_.model->tokenizer();
@@ -136,7 +141,9 @@ class Coordinator {
   const std::vector<Hop>& hops() const { return hops_; }
   std::size_t n_stages() const { return hops_.size() + 1; }
   const Stage& stage() const { return *stage_; }
-  LayerRange stage_range() const { return LayerRange{0, cfg_.cuts.front()}; }
+  LayerRange stage_range() const { return LayerRange{0, local() ? int(config_.n_layer) : cfg_.cuts.front()}; }
+  // Every layer in this process: no chain.
+  bool local() const { return hops_.empty(); }
   // The chain's WELCOME (after connect()).
   const Welcome& welcome() const { return welcome_; }
 
@@ -152,6 +159,12 @@ class Coordinator {
   // The handshake; throws naming the hop. Called before start(), and again by the scheduler after the
   // chain was lost.
   void connect() {
+    if (local()) {
+      std::lock_guard lock(metrics_mu_);
+      metrics_.link_up = true;
+      ++metrics_.link_epoch;
+      return;
+    }
     ChainSpec spec;
     spec.id = id_;
     spec.ctx = ctx_;
@@ -319,7 +332,7 @@ class Coordinator {
 
   // ---- the scheduler thread ----
 
-  bool can_send() const { return link_ && !loss_ && in_flight_.size() < n_stages(); }
+  bool can_send() const { return (link_ || local()) && !loss_ && in_flight_.size() < n_stages(); }
 
   // A send or a reply failed: the link is dropped at the end of this round of the scheduler (callers
   // may be iterating over the sessions that losing it clears).
@@ -416,7 +429,7 @@ class Coordinator {
         count_end(Finish::error);
         return sub.out->end(Finish::error, 0, "token id " + std::to_string(t) + " is outside the vocabulary");
       }
-    if (!link_) {
+    if (!link_ && !local()) {
       try {
         connect();
       } catch (const std::exception& e) {
@@ -481,6 +494,7 @@ class Coordinator {
     h.type = kTypeOpen;
     h.session = s.id;
     h.seq = next_seq_++;
+    if (local()) return answer_locally(ChainReply{h, {}});
     const std::string text = encode_sampling(s.params.sampling);
     send_frame(h, std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()), true);
   }
@@ -777,6 +791,14 @@ class Coordinator {
     fl.sent = t1;
     const std::vector<BatchEntry> wire = fl.wire;
     in_flight_.emplace(h.seq, std::move(fl));
+    if (local()) {
+      head_and_sample(h, wire, run);
+      std::lock_guard lock(metrics_mu_);
+      ++metrics_.batches;
+      metrics_.batch_rows += rows;
+      metrics_.stage0_compute_s += std::chrono::duration<double>(SteadyClock::now() - t0).count();
+      return true;
+    }
     try {
       link_->send_batch(h, wire, std::span(reinterpret_cast<const uint8_t*>(rows_.data()), rows * E * 4));
     } catch (const std::exception& e) {
@@ -789,6 +811,33 @@ class Coordinator {
     metrics_.stage0_compute_s += std::chrono::duration<double>(t1 - t0).count();
     metrics_.stage0_transfer_s += std::chrono::duration<double>(SteadyClock::now() - t1).count();
     return true;
+  }
+
+  // Without a chain: what the last stage does (the final norm and the output projection of each entry's
+  // last row in one pass, each token drawn at its position) and its answer, queued as if it had arrived.
+  void head_and_sample(const ModelHeader& batch, std::span<const BatchEntry> wire, std::span<const Stage::BatchEntry> run) {
+    const std::size_t E = config_.n_embd, V = config_.n_vocab, n = wire.size();
+    if (last_.size() < n * E) last_ = Buffer<float>(n * E);
+    std::size_t off = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      off += wire[i].rows;
+      std::memcpy(last_.data() + i * E, rows_.data() + (off - 1) * E, E * sizeof(float));
+    }
+    logits_.resize(n * V);
+    stage_->head(*run[0].seq, last_.data(), n, logits_.data());
+    std::vector<int32_t> tokens(n);
+    for (std::size_t i = 0; i < n; ++i)
+      tokens[i] = sampler_.sample(std::span<const float>(logits_.data() + i * V, V),
+                                  sessions_.at(wire[i].session).params.sampling, int64_t(wire[i].pos + wire[i].rows));
+    ModelHeader r = batch;
+    r.type = kTypeBatchRes;
+    r.rows = uint32_t(n);
+    answer_locally(ChainReply{r, encode_batch_res(wire, tokens, logits_, uint32_t(V))});
+  }
+
+  void answer_locally(ChainReply r) {
+    std::lock_guard lock(mu_);
+    replies_.push_back(std::move(r));
   }
 
   // Ends a generation with the chain's failure; a conversation's next turn rebuilds its session.
@@ -858,6 +907,8 @@ class Coordinator {
         std::lock_guard lock(metrics_mu_);
         metrics_.link_error = msg;  // why the chain is still down (/health), not only the failure it followed
       }
+      say("not resumed: " + std::to_string(sessions_.size()) + " session(s) end with the error (" +
+          msg.substr(0, msg.find(" after: ")) + ")");
       for (auto& [id, s] : sessions_) fail_session(s, msg);
       sessions_.clear();
     };
@@ -938,6 +989,10 @@ class Coordinator {
   std::optional<std::string> loss_;  // why the link must be dropped (defer_loss)
   uint32_t next_seq_ = 1;
   Buffer<float> rows_;  // [rows, n_embd] one batch's residual
+  // Without a chain: the last row of each entry, their logits, the sampler.
+  Buffer<float> last_;
+  std::vector<float> logits_;
+  Sampler sampler_;
 
   struct Counters : CoordinatorMetrics {
     uint64_t bytes_sent_base = 0, bytes_received_base = 0;  // of links already closed
