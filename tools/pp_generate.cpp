@@ -4,6 +4,7 @@
 // exact single-process reference for a distributed pipeline. --logits-out writes the golden JSON format
 // of ../shared/fixtures (prompt logits, greedy ids, per-step logits) for comparison with references.
 #include <pp/generation.hpp>
+#include <pp/io/ollama.hpp>
 #include <pp/local_pipeline.hpp>
 #include <pp/text/sampler.hpp>
 #include <pp/text/tokenizer.hpp>
@@ -60,7 +61,9 @@ int main(int argc, char** argv) {
   pp::SamplingParams sp;
   double temperature = 0, top_p = 0, min_p = -1;
   int64_t top_k = 0;
-  app.add_option("-m,--model", model, "GGUF model file")->required();
+  app.add_option("-m,--model", model, "GGUF file or Ollama tag (e.g. llama3.2:1b, from OLLAMA_MODELS or ~/.ollama/models)")
+      ->required()
+      ->type_name("PATH|TAG");
   auto* ids_opt = app.add_option("--prompt-ids", ids_arg, "prompt token ids, comma-separated (e.g. 496,198,303)");
   auto* text_opt = app.add_option("-p,--prompt", prompt_text, "prompt text (tokenized with the model's tokenizer)");
   ids_opt->excludes(text_opt);
@@ -92,7 +95,9 @@ int main(int argc, char** argv) {
     sp.validate();
     if (ids_arg.empty() && prompt_text.empty()) throw pp::Error("give a prompt: --prompt TEXT or --prompt-ids IDS");
     const auto t_load = std::chrono::steady_clock::now();
-    pp::LocalPipeline pipe(model, cuts, pp::parse_wire_dtype(wire), {.ctx = ctx, .threads = threads});
+    const pp::ResolvedModel resolved = pp::resolve_model(model);
+    if (resolved.how == "ollama") std::fprintf(stderr, "model: %s -> %s\n", model.c_str(), resolved.path.c_str());
+    pp::LocalPipeline pipe(resolved.path, cuts, pp::parse_wire_dtype(wire), {.ctx = ctx, .threads = threads});
     // The tokenizer is optional for id prompts (a model without one still runs).
     const pp::Tokenizer* tok = pipe.model().tokenizer();
     if (!tok && !prompt_text.empty()) throw pp::Error(pipe.model().tokenizer_error());

@@ -240,6 +240,7 @@ int run_model(const Cli& c, const pp::net::ServerOptions& options, Millis timeou
 
   pp::net::ModelWorkerOptions wopt;
   wopt.path = model.path;
+  if (model.how == "ollama") wopt.name = c.model;
   wopt.threads = c.threads;
   wopt.residency = c.mapped ? pp::Residency::Mapped : pp::Residency::Anonymous;
   wopt.max_ctx = static_cast<uint32_t>(c.max_ctx);
@@ -251,6 +252,7 @@ int run_model(const Cli& c, const pp::net::ServerOptions& options, Millis timeou
 
   pp::node::ModelRunOptions run;
   run.path = model.path;
+  run.name = wopt.name;
   run.cuts = c.cut_given ? std::vector<int>{static_cast<int>(std::clamp<int64_t>(c.cut, INT32_MIN, INT32_MAX))} : c.cuts;
   run.prompt = c.prompt;
   if (!c.prompt_ids.empty()) run.prompt_ids = parse_ids(c.prompt_ids);

@@ -498,10 +498,20 @@ TEST(ModelNode, OllamaTagResolvesOnEveryEnd) {
   ASSERT_TRUE(w);
   const auto r = run(node_argv({"--coordinator", w->addr(), "--model", "tiny", "--prompt-ids", "1,2,3", "--tokens", "8",
                                 "--threads", "1", "--verify", "all"}));
+  // pp_generate resolves the tag too.
+  const auto g = run({generate_bin(), "-m", "tiny", "--prompt-ids", "1,2,3", "-n", "8", "-t", "1"});
   ::unsetenv("OLLAMA_MODELS");
   expect_passed(r, 8, 8);
   EXPECT_NE(r.out.find("model: tiny -> " + (store / "blobs" / ("sha256-" + hex)).string()), std::string::npos) << r.out;
   EXPECT_EQ(tokens_line(r.out), reference(golden("f32"), {}, {1, 2, 3}, 8).tokens);
+  // Banners name the model as the user did, not by its blob's file name.
+  EXPECT_NE(r.out.find("model 'tiny'"), std::string::npos) << r.out;
+  EXPECT_NE(w->proc->out().find("model 'tiny:latest'"), std::string::npos) << w->proc->out();
+  ASSERT_EQ(g.code, 0) << g.err;
+  EXPECT_NE(g.err.find("model: tiny -> "), std::string::npos) << g.err;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(g.out, m, std::regex("tokens:([ 0-9]*)\n"))) << g.out;
+  EXPECT_EQ(tokens_line("\n  tokens:" + m[1].str() + "\n"), reference(golden("f32"), {}, {1, 2, 3}, 8).tokens);
 }
 
 // ================================================================ handshake refusals

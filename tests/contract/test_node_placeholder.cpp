@@ -457,6 +457,15 @@ TEST(Cli, OtherUsageErrors) {
   EXPECT_EQ(run(node_argv({"--selftest", "--hidden", "20000000"})).code, 2);  // 80 MB > --max-payload
   EXPECT_EQ(run(node_argv({"--worker", "--port", "70000"})).code, 2);
   EXPECT_EQ(run(node_argv({"--help"})).code, 0);
+  // --serve / --chat run a coordinator: never silently ignored beside another mode; alone they need --model.
+  for (const char* mode : {"--selftest", "--worker"}) {
+    const auto r = run(node_argv({mode, "--serve", "--model", "x.gguf"}));
+    EXPECT_EQ(r.code, 2) << mode;
+    EXPECT_NE(r.err.find("--serve runs a coordinator"), std::string::npos) << r.err;
+  }
+  const auto alone = run(node_argv({"--chat"}));
+  EXPECT_EQ(alone.code, 2);
+  EXPECT_NE(alone.err.find("--serve and --chat need --model"), std::string::npos) << alone.err;
 }
 
 // A worker that corrupts one word: the coordinator reports the prototype's FAIL line, exit 1.

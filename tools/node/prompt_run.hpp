@@ -36,6 +36,7 @@ inline constexpr std::size_t kProbeTokens = 4;
 
 struct ModelRunOptions {
   std::string path;                 // the resolved GGUF file
+  std::string name;                 // what the user called it (an Ollama tag), for messages; empty: the file name
   std::vector<net::Peer> workers;   // chain order
   std::vector<int> cuts;            // empty: an even split (compute_layer_range)
   std::optional<std::string> prompt;
@@ -273,6 +274,7 @@ inline int run_model_coordinator(const ModelRunOptions& o) {
 
   net::CoordinatorConfig cc;
   cc.model = model;
+  cc.name = o.name;
   cc.workers = o.workers;
   cc.cuts = cuts;
   cc.ctx = ctx;

@@ -151,6 +151,7 @@ inline int run_serve(const ModelRunOptions& run, const ServeOptions& so, const s
   const uint32_t model_ctx = uint32_t(model->default_ctx());
   net::CoordinatorConfig cfg;
   cfg.model = model;
+  cfg.name = run.name;
   cfg.workers = run.workers;
   cfg.ctx = run.ctx;
   cfg.cuts = so.cuts_auto ? serve_detail::auto_cuts(run, n_layer, run.ctx ? run.ctx : model_ctx, so.parallel,

@@ -51,6 +51,7 @@ inline constexpr std::size_t kDefaultMaxSessions = 16;
 
 struct ModelWorkerOptions {
   std::string path;            // the GGUF file (already resolved)
+  std::string name;            // what the operator called it (an Ollama tag), for messages; empty: the file name
   unsigned threads = 0;        // compute threads per stage; 0 = hardware concurrency
   uint32_t max_ctx = 0;        // largest KV capacity a HELLO may ask for; 0 = min(4096, model context)
   bool prefetch = true;        // fault in a stage's tensors when it loads
@@ -72,7 +73,7 @@ class ModelWorker {
   ModelWorker(ModelWorkerOptions opt, Log log)
       : opt_(std::move(opt)), log_(std::move(log)), file_(opt_.path), model_(Model::open(file_.path())) {
     const Config& c = model_->config();
-    id_ = identify_model(*model_, opt_.path);
+    id_ = identify_model(*model_, opt_.name.empty() ? opt_.path : opt_.name);
     if (opt_.max_ctx == 0) opt_.max_ctx = static_cast<uint32_t>(model_->default_ctx());
     kv_bytes_per_layer_ = uint64_t{opt_.max_ctx} * c.kv_dim() * 2 * sizeof(float);
   }
