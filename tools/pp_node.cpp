@@ -141,6 +141,8 @@ struct Cli {
   bool serve = false, chat = false;
   std::string http_host = "127.0.0.1";
   int64_t http_port = 8080;
+  std::vector<std::string> cors_origins;
+  std::string log_level = "info";
   int64_t parallel = 8;
   std::string system_prompt;
   std::string cuts_arg;  // "C1,C2,..." or "auto"
@@ -207,6 +209,13 @@ int run_serving(const Cli& c, const pp::node::ModelRunOptions& run, const pp::Re
   so.chat = c.chat;
   so.http_host = c.http_host;
   so.http_port = static_cast<int>(c.http_port);
+  for (const std::string& o : c.cors_origins) {
+    if (!pp::node::CorsPolicy::valid(o))
+      throw UsageError{"--cors-origin '" + pp::printable(o, 80) + "' is not an origin: give scheme://host[:port] (http or "
+                       "https, no path), or * for any"};
+    so.cors.allow(o);
+  }
+  so.log_requests = c.log_level == "info";
   so.parallel = static_cast<std::size_t>(c.parallel);
   so.cuts_auto = c.cuts_auto;
   const std::size_t slash = model.path.find_last_of('/');
@@ -436,6 +445,13 @@ int main(int argc, char** argv) {
   app.add_option("--http-host", c.http_host, "--serve: bind address (not loopback: anyone who reaches it may use it)")
       ->capture_default_str();
   app.add_option("--http-port", c.http_port, "--serve: port (0: an ephemeral one, printed)")->capture_default_str();
+  app.add_option("--cors-origin", c.cors_origins,
+                 "--serve: a browser origin (scheme://host[:port]) whose pages may read the API's responses; repeat "
+                 "for more, * for any (default: none, only same-origin pages such as the built-in one)")
+      ->type_name("ORIGIN");
+  app.add_option("--log-level", c.log_level, "--serve: info (a line per request, the default) or warn (warnings only)")
+      ->check(CLI::IsMember({"warn", "info"}))
+      ->capture_default_str();
   app.add_option("--parallel", c.parallel,
                  "--serve: generations decoding at once (each a session on every worker; keep it below the "
                  "workers' --max-sessions); more wait in a queue")

@@ -322,7 +322,7 @@ class ServeTwoStages : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     if (model().path.empty()) return;
-    pipe_ = new std::optional<Pipeline>(start_pipeline(1, {"--cuts", "3"}));
+    pipe_ = new std::optional<Pipeline>(start_pipeline(1, {"--cuts", "3"}, {"--cors-origin", "http://page.example"}));
   }
   static void TearDownTestSuite() {
     delete pipe_;
@@ -1086,6 +1086,26 @@ TEST(ServeOneProcess, CompletionsConcurrentRequestsAndMetrics) {
   EXPECT_EQ(h->status, 200) << h->body;
 }
 
+// --cors-origin '*' lets any page read; a malformed origin is a usage error; by default no CORS header.
+TEST(ServeOneProcess, CorsOriginOption) {
+  REQUIRE_MODEL();
+  auto any = start_pipeline(0, {}, {"--cors-origin", "*"});
+  ASSERT_TRUE(any);
+  const auto r = any->client()->Get("/health", httplib::Headers{{"Origin", "http://a.example"}});
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->get_header_value("Access-Control-Allow-Origin"), "*");
+  auto none = start_pipeline(0, {});
+  ASSERT_TRUE(none);
+  const auto n = none->client()->Get("/health", httplib::Headers{{"Origin", "http://a.example"}});
+  ASSERT_TRUE(n);
+  EXPECT_FALSE(n->has_header("Access-Control-Allow-Origin"));
+  for (const char* bad : {"page.example", "http://a.example/path", "ftp://a.example", "http://"}) {
+    const auto u = pp::test::run_process({node_bin(), "--model", model().path, "--serve", "--cors-origin", bad}, 10s);
+    EXPECT_EQ(u.code, 2) << bad << ": " << u.err;
+    EXPECT_NE(u.err.find("is not an origin"), std::string::npos) << u.err;
+  }
+}
+
 // `--chat --model M` alone: the terminal chat in one process.
 TEST(ServeChat, OneProcessChatStreamsRepliesAndKeepsTheConversation) {
   REQUIRE_MODEL();
@@ -1241,20 +1261,25 @@ TEST_F(ServeTwoStages, FormBodiesCorsAndNo5xxForBadBodies) {
   ASSERT_TRUE(form);
   EXPECT_EQ(form->status, 200) << form->body;
   EXPECT_EQ(tokens_of(json::parse(form->body)), reference(encode("The capital of France is"), 3));
-  EXPECT_EQ(form->get_header_value("Access-Control-Allow-Origin"), "*");
+  EXPECT_FALSE(form->has_header("Access-Control-Allow-Origin"));  // no Origin: no CORS
+  EXPECT_EQ(form->get_header_value("Vary"), "Origin");
 
   httplib::Headers pre = {{"Origin", "http://page.example"}, {"Access-Control-Request-Method", "POST"},
                           {"Access-Control-Request-Headers", "content-type, authorization"}};
   const auto opt = c->Options("/v1/chat/completions", pre);
   ASSERT_TRUE(opt);
   EXPECT_EQ(opt->status, 204);
-  EXPECT_EQ(opt->get_header_value("Access-Control-Allow-Origin"), "*");
+  EXPECT_EQ(opt->get_header_value("Access-Control-Allow-Origin"), "http://page.example");  // --cors-origin
   EXPECT_NE(opt->get_header_value("Access-Control-Allow-Methods").find("POST"), std::string::npos);
   EXPECT_EQ(opt->get_header_value("Access-Control-Allow-Headers"), "content-type, authorization");
   for (const char* path : {"/health", "/v1/models", "/metrics", "/nowhere"}) {
-    const auto r = c->Get(path);
+    const auto r = c->Get(path, httplib::Headers{{"Origin", "http://page.example"}});
     ASSERT_TRUE(r) << path;
-    EXPECT_EQ(r->get_header_value("Access-Control-Allow-Origin"), "*") << path;
+    EXPECT_EQ(r->get_header_value("Access-Control-Allow-Origin"), "http://page.example") << path;
+    // Another site's page gets no CORS header: its script cannot read the answer.
+    const auto other = c->Get(path, httplib::Headers{{"Origin", "http://evil.example"}});
+    ASSERT_TRUE(other) << path;
+    EXPECT_FALSE(other->has_header("Access-Control-Allow-Origin")) << path;
   }
 
   std::size_t n = 0;

@@ -461,8 +461,26 @@ TEST(HttpRoutes, MethodsPathsAndCors) {
   q.headers = {{"access-control-request-headers", "x\r\nSet-Cookie: a"}};  // not echoed
   EXPECT_EQ(pp::node::simple_response(q, pp::node::match_route(q.method, q.path))->headers[2].second,
             "Authorization, Content-Type");
-  EXPECT_NE(pp::node::response_head(200, 1, "application/json", {}, 2, false, false).find("Access-Control-Allow-Origin: *\r\n"),
+  // CORS: only what the policy allows, for the request's origin.
+  pp::node::CorsPolicy none, some, any;
+  some.allow("https://ok.example");
+  any.allow("*");
+  const std::string ok = "https://ok.example", other = "https://other.example";
+  EXPECT_EQ(none.headers(&ok), "");
+  EXPECT_EQ(some.headers(&ok), "Access-Control-Allow-Origin: https://ok.example\r\nVary: Origin\r\n");
+  EXPECT_EQ(some.headers(&other), "Vary: Origin\r\n");
+  EXPECT_EQ(some.headers(nullptr), "Vary: Origin\r\n");
+  EXPECT_EQ(any.headers(&other), "Access-Control-Allow-Origin: *\r\n");
+  EXPECT_NE(pp::node::response_head(200, 1, "application/json", {}, 2, false, false, some.headers(&ok))
+                .find("Access-Control-Allow-Origin: https://ok.example\r\n"),
             std::string::npos);
+  EXPECT_EQ(pp::node::response_head(200, 1, "application/json", {}, 2, false, false, none.headers(&ok))
+                .find("Access-Control"),
+            std::string::npos);
+  for (const char* o : {"*", "http://a.example", "https://a.example:8443", "http://[::1]:8080"})
+    EXPECT_TRUE(pp::node::CorsPolicy::valid(o)) << o;
+  for (const char* o : {"", "a.example", "http://", "ftp://a.example", "http://a.example/x", "http://a b", "null"})
+    EXPECT_FALSE(pp::node::CorsPolicy::valid(o)) << o;
 }
 
 // ---------------------------------------------------------------- request bodies (issue 16)

@@ -26,7 +26,9 @@
 //   * Body bytes buffered across all connections are bounded (kMaxBufferedBody); a connection that would
 //     pass the bound is answered 503.
 //
-// Every response carries `Access-Control-Allow-Origin: *`. One log line per request goes to stderr
+// CORS: a response carries `Access-Control-Allow-Origin` only for the origins `--cors-origin` allows (the
+// request's own origin echoed with `Vary: Origin`, or `*`); by default none, so no other site's page can
+// read what this server says. One log line per request goes to stderr
 // (method, path, status, duration); failed connections are summed up in at most one line per second.
 // Client bytes are never printed raw (pp::printable).
 #pragma once
@@ -383,14 +385,42 @@ class RequestParser {
   std::string error_;
 };
 
-// The status line and headers of a response (CORS on every one).
+// Which origins may read responses from a browser page (`--cors-origin`, repeatable): none by default.
+struct CorsPolicy {
+  bool any = false;                  // `*`
+  std::vector<std::string> origins;  // exact `scheme://host[:port]` values
+
+  // A well-formed origin, or "*": checked when the option is given.
+  static bool valid(std::string_view o) {
+    if (o == "*") return true;
+    const std::size_t sep = o.find("://");
+    if (sep == std::string_view::npos || sep == 0 || o.size() == sep + 3 || o.size() > 256) return false;
+    if (o.substr(0, sep) != "http" && o.substr(0, sep) != "https") return false;
+    return std::all_of(o.begin() + std::ptrdiff_t(sep + 3), o.end(), [](char c) {
+      return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-' || c == ':' || c == '[' || c == ']';
+    });
+  }
+  void allow(const std::string& o) {
+    if (o == "*") any = true;
+    else origins.push_back(o);
+  }
+  // The CORS header lines for a request carrying `origin` (null: none sent), or "".
+  std::string headers(const std::string* origin) const {
+    if (any) return "Access-Control-Allow-Origin: *\r\n";
+    if (origin && std::find(origins.begin(), origins.end(), *origin) != origins.end())
+      return "Access-Control-Allow-Origin: " + *origin + "\r\nVary: Origin\r\n";
+    return origins.empty() ? "" : "Vary: Origin\r\n";
+  }
+};
+
+// The status line and headers of a response; `cors`: CorsPolicy::headers for its request.
 inline std::string response_head(int status, int minor, std::string_view content_type, const HttpHeaders& extra,
-                                 std::optional<std::size_t> length, bool chunked, bool close) {
+                                 std::optional<std::size_t> length, bool chunked, bool close, std::string_view cors) {
   std::string h = "HTTP/1." + std::to_string(minor) + " " + std::to_string(status) + " " + status_reason(status) + "\r\n";
   if (!content_type.empty()) h += "Content-Type: " + std::string(content_type) + "\r\n";
   if (length) h += "Content-Length: " + std::to_string(*length) + "\r\n";
   if (chunked) h += "Transfer-Encoding: chunked\r\n";
-  h += "Access-Control-Allow-Origin: *\r\n";
+  h += cors;
   for (const auto& [k, v] : extra) h += k + ": " + v + "\r\n";
   h += close ? "Connection: close\r\n" : (minor == 0 ? "Connection: keep-alive\r\n" : "");
   return h + "\r\n";
@@ -400,13 +430,14 @@ inline std::string response_head(int status, int minor, std::string_view content
 // write timeout. Either send() once, or begin_stream(), write()..., end_stream().
 class Responder {
  public:
-  Responder(int fd, const HttpRequest& q, std::chrono::milliseconds write_timeout)
-      : fd_(fd), minor_(q.minor), keep_alive_(q.keep_alive), head_only_(q.method == "HEAD"), timeout_(write_timeout) {}
+  Responder(int fd, const HttpRequest& q, std::chrono::milliseconds write_timeout, std::string cors = {})
+      : fd_(fd), minor_(q.minor), keep_alive_(q.keep_alive), head_only_(q.method == "HEAD"), timeout_(write_timeout),
+        cors_(std::move(cors)) {}
 
   bool send(int status, std::string_view content_type, std::string_view body, const HttpHeaders& extra = {}) {
     status_ = status;
     started_ = true;
-    std::string out = response_head(status, minor_, content_type, extra, body.size(), false, !keep_alive_);
+    std::string out = response_head(status, minor_, content_type, extra, body.size(), false, !keep_alive_, cors_);
     if (!head_only_) out += body;
     complete_ = write_all(out);
     return complete_;
@@ -415,7 +446,7 @@ class Responder {
     status_ = status;
     started_ = true;
     if (minor_ == 0) keep_alive_ = false;  // HTTP/1.0: no chunks, the body ends when the connection does
-    return write_all(response_head(status, minor_, content_type, extra, std::nullopt, minor_ >= 1, !keep_alive_));
+    return write_all(response_head(status, minor_, content_type, extra, std::nullopt, minor_ >= 1, !keep_alive_, cors_));
   }
   bool write(std::string_view data) {
     if (data.empty() || head_only_) return !failed_;
@@ -476,6 +507,7 @@ class Responder {
   bool keep_alive_;
   bool head_only_;
   std::chrono::milliseconds timeout_;
+  std::string cors_;
   bool started_ = false, complete_ = false, failed_ = false;
   int status_ = 0;
 };
@@ -498,6 +530,7 @@ class HttpFront {
     std::size_t threads = 64; // handler threads
     HttpLimits limits;
     bool log_requests = true;
+    CorsPolicy cors;
   };
 
   explicit HttpFront(Options o) : o_(std::move(o)) {}
@@ -735,10 +768,10 @@ class HttpFront {
     return r;
   }
 
-  static std::string response_text(const HttpResponse& r, int minor, bool head_only) {
+  static std::string response_text(const HttpResponse& r, int minor, bool head_only, std::string_view cors = {}) {
     const bool has_body = !(r.status == 204 || r.status == 304 || r.status < 200);
     std::string s = response_head(r.status, minor, r.content_type, r.headers,
-                                  has_body ? std::optional<std::size_t>(r.body.size()) : std::nullopt, false, r.close);
+                                  has_body ? std::optional<std::size_t>(r.body.size()) : std::nullopt, false, r.close, cors);
     if (has_body && !head_only) s += r.body;
     return s;
   }
@@ -850,7 +883,7 @@ class HttpFront {
     if (r) {
       release_body(c);
       if (!q.keep_alive) r->close = true;
-      respond_inline(c, *r, q.minor, q.method == "HEAD", now, request_line(q));
+      respond_inline(c, *r, q.minor, q.method == "HEAD", now, request_line(q), &q);
       return false;
     }
     {
@@ -859,7 +892,7 @@ class HttpFront {
         ++fail_.busy;
         release_body(c);
         respond_inline(c, error_response(503, "the server is busy (" + std::to_string(kMaxQueued) +
-                                                  " requests waiting): try again later"), q.minor, false, now, request_line(q));
+                                                  " requests waiting): try again later"), q.minor, false, now, request_line(q), &q);
         return false;
       }
     }
@@ -880,8 +913,10 @@ class HttpFront {
 
   static std::string request_line(const HttpRequest& q) { return q.method + " " + printable(q.path); }
 
-  void respond_inline(Conn& c, const HttpResponse& r, int minor, bool head_only, Clock::time_point now, std::string log) {
-    c.out = response_text(r, minor, head_only);
+  // `q`: the request answered, when its head was parsed (its Origin decides CORS).
+  void respond_inline(Conn& c, const HttpResponse& r, int minor, bool head_only, Clock::time_point now, std::string log,
+                      const HttpRequest* q = nullptr) {
+    c.out = response_text(r, minor, head_only, o_.cors.headers(q ? q->header("origin") : nullptr));
     c.out_at = 0;
     c.close_after = r.close || c.parser.state() == RequestParser::State::failed;
     // A refusal may come before the client has sent its body: closing with its bytes unread would reset the
@@ -1020,7 +1055,7 @@ class HttpFront {
       }
       Conn& c = *job.conn;
       const std::string line = request_line(job.req);
-      Responder res(c.fd, job.req, o_.limits.write_timeout);
+      Responder res(c.fd, job.req, o_.limits.write_timeout, o_.cors.headers(job.req.header("origin")));
       if (stopping_.load()) {
         res.send(503, "application/json", error_response(503, "the server is shutting down").body);
       } else {

@@ -29,6 +29,8 @@ namespace pp::node {
 
 struct ServeOptions {
   bool chat = false;                  // the terminal chat instead of HTTP
+  CorsPolicy cors;                    // --cors-origin: who may read responses from a browser page
+  bool log_requests = true;           // --log-level info: one line per request
   std::string http_host = "127.0.0.1";
   int http_port = 8080;
   std::size_t parallel = 16;
@@ -143,6 +145,8 @@ inline int run_serve(const ModelRunOptions& run, const ServeOptions& so, const s
     fo.host = so.http_host;
     fo.port = so.http_port;
     fo.threads = std::max<std::size_t>(64, 2 * so.parallel + 8);
+    fo.cors = so.cors;
+    fo.log_requests = so.log_requests;
     front = std::make_unique<HttpFront>(fo);
     front->bind();
   }
