@@ -4,6 +4,7 @@ set -euo pipefail
 pkgs=(meson ninja-build g++ pkg-config python3 libxsimd-dev libeigen3-dev googletest libgtest-dev libgmock-dev
       libbenchmark-dev nlohmann-json3-dev libcli11-dev libpcre2-dev libssl-dev
       libcpp-httplib-dev  # pp_node --serve's HTTP server (pkg-config cpp-httplib)
+      libedit-dev  # pp_node --chat's line editing and history on a terminal (optional: plain lines without it)
       clang libclang-rt-14-dev)  # clang + its runtimes: the libFuzzer targets (docs/HARDENING.md)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done

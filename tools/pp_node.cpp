@@ -226,7 +226,7 @@ int run_serving(const Cli& c, const pp::node::ModelRunOptions& run, const pp::Re
   so.chat_options.ignore_eos = run.ignore_eos;
   if (run.psk) so.authenticate = [psk = run.psk](pp::net::Channel& ch) { pp::net::authenticate_with_worker(ch, *psk); };
   install_stop_handlers();
-  return pp::node::run_serve(run, so, &g_stop_requested);
+  return pp::node::run_serve(run, so, &g_stop_requested, &pp::node::g_terminate_requested);
 }
 
 // Real-model mode: --hidden and --layers come from the model, the cuts are checked against it.

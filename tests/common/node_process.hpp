@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <cerrno>
 #include <chrono>
 #include <concepts>
 #include <cstdint>
@@ -51,14 +52,23 @@ inline std::string read_text_file(const std::filesystem::path& p) {
 }
 
 // A child process with stdout/stderr captured to files; killed (by its pid) if still running at the end.
+// Its stdin is /dev/null, or with `Stdin::pipe` a pipe the test writes (write_stdin) and closes (close_stdin).
 class Process {
  public:
-  explicit Process(const std::vector<std::string>& argv) {
+  enum class Stdin { null, pipe };
+  explicit Process(const std::vector<std::string>& argv, Stdin in = Stdin::null) {
     char tmpl[] = "/tmp/pp_proc_test.XXXXXX";
     dir_ = mkdtemp(tmpl);
     posix_spawn_file_actions_t fa;
     posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
+    int pipe_fds[2] = {-1, -1};
+    if (in == Stdin::pipe && ::pipe2(pipe_fds, O_CLOEXEC) == 0) {
+      ::signal(SIGPIPE, SIG_IGN);  // a child that died makes write_stdin fail, not the test process die
+      posix_spawn_file_actions_adddup2(&fa, pipe_fds[0], 0);
+      stdin_ = pipe_fds[1];
+    } else {
+      posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
+    }
     posix_spawn_file_actions_addopen(&fa, 1, (dir_ / "out").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     posix_spawn_file_actions_addopen(&fa, 2, (dir_ / "err").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     std::vector<char*> args;
@@ -66,10 +76,12 @@ class Process {
     args.push_back(nullptr);
     if (posix_spawnp(&pid_, args[0], &fa, nullptr, args.data(), environ) != 0) pid_ = -1;
     posix_spawn_file_actions_destroy(&fa);
+    if (pipe_fds[0] >= 0) ::close(pipe_fds[0]);
   }
   Process(const Process&) = delete;
   Process& operator=(const Process&) = delete;
   ~Process() {
+    close_stdin();
     kill_hard();
     std::error_code ec;
     std::filesystem::remove_all(dir_, ec);
@@ -109,6 +121,16 @@ class Process {
     }
   }
 
+  // True once stdout holds more than `size` bytes (something new after a point the test noted).
+  bool wait_output_longer(std::size_t size, Millis timeout) {
+    const auto deadline = Clock::now() + slack(timeout);
+    for (;;) {
+      if (out().size() > size) return true;
+      if (!running() || Clock::now() > deadline) return out().size() > size;
+      std::this_thread::sleep_for(Millis{5});
+    }
+  }
+
   bool wait_stderr(const std::string& needle, Millis timeout) {
     const auto deadline = Clock::now() + slack(timeout);
     while (err().find(needle) == std::string::npos) {
@@ -116,6 +138,24 @@ class Process {
       std::this_thread::sleep_for(Millis{10});
     }
     return true;
+  }
+
+  // Writes all of `text` to the child's stdin pipe; false when there is none or the child has closed it.
+  bool write_stdin(const std::string& text) {
+    std::size_t done = 0;
+    while (stdin_ >= 0 && done < text.size()) {
+      const ssize_t n = ::write(stdin_, text.data() + done, text.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return false;
+      done += std::size_t(n);
+    }
+    return stdin_ >= 0;
+  }
+
+  // The child reads the end of its input.
+  void close_stdin() {
+    if (stdin_ >= 0) ::close(stdin_);
+    stdin_ = -1;
   }
 
   void signal(int sig) {
@@ -135,6 +175,7 @@ class Process {
  private:
   std::filesystem::path dir_;
   pid_t pid_ = -1;
+  int stdin_ = -1;  // the write end of the child's stdin pipe, or -1
   std::optional<int> exit_code_;
 };
 

@@ -32,6 +32,7 @@
 #include "../common/node_process.hpp"
 #include "../common/sse_stream.hpp"
 #include "node/chat_template.hpp"
+#include "node/terminal_text.hpp"
 #include "node/worker_status.hpp"
 #include "pp/generation.hpp"
 #include "pp/local_pipeline.hpp"
@@ -1003,6 +1004,54 @@ TEST(ServeFaults, ResumeStopsAtAWorkerWithAnotherModel) {
 
 // ================================================================ the terminal chat
 
+std::size_t count_of(const std::string& text, const std::string& needle) {
+  std::size_t n = 0;
+  for (std::size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + needle.size())) ++n;
+  return n;
+}
+
+// A reply as the chat prints it: its text with control characters shown, then, when it had `max` tokens
+// (the limit), the cut-off line.
+std::string chat_reply(const std::vector<int32_t>& tokens, std::size_t max) {
+  std::string s = pp::node::visible_controls(text_of(tokens)) + "\n";
+  if (tokens.size() == max) s += "[cut off at " + std::to_string(max) + " tokens: /set tokens N for longer replies]\n";
+  return s;
+}
+
+// The reference for a chat of `lines` in one conversation, `n` tokens a reply, end of generation ignored:
+// turn 1, then its last token, the end of turn, the next user turn, all in one sequence (`cuts`: the split).
+std::vector<std::vector<int32_t>> chat_reference(const std::vector<int>& cuts, const std::string& system,
+                                                 const std::vector<std::string>& lines, std::size_t n,
+                                                 const pp::SamplingParams& sp = {}) {
+  pp::LocalPipeline pipe(model().path, cuts, pp::WireDType::F32, {.threads = 1});
+  std::vector<float> logits(pipe.config().n_vocab);
+  pp::Sampler sampler;
+  int64_t pos = 0;
+  std::vector<std::vector<int32_t>> replies;
+  for (const std::string& line : lines) {
+    std::vector<int32_t> feed;
+    if (replies.empty()) {
+      std::vector<pp::node::ChatMessage> msgs;
+      if (!system.empty()) msgs.push_back({"system", system});
+      msgs.push_back({"user", line});
+      feed = chat_ids(msgs);
+    } else {
+      feed = model().tok->encode("<|eot_id|>" + pp::node::render_turn("user", line) + pp::node::kAssistantHeader,
+                                 false, true);
+      feed.insert(feed.begin(), replies.back().back());
+    }
+    std::vector<int32_t> out;
+    for (std::size_t i = 0; i < n; ++i) {
+      pipe.run(feed, pos, logits.data(), 1);
+      pos += int64_t(feed.size());
+      out.push_back(sampler.sample(logits, sp, pos));
+      feed.assign(1, out.back());
+    }
+    replies.push_back(std::move(out));
+  }
+  return replies;
+}
+
 TEST(ServeChat, TerminalChatStreamsRepliesAndKeepsTheConversation) {
   REQUIRE_MODEL();
   auto w = std::make_unique<Process>(std::vector<std::string>{node_bin(), "--worker", "--model", model().path, "--host",
@@ -1017,7 +1066,7 @@ TEST(ServeChat, TerminalChatStreamsRepliesAndKeepsTheConversation) {
   const pp::test::RunResult r = pp::test::run_process({"/bin/sh", "-c", cmd}, 25s);
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("loading: stage 0 [0, 3)"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("chat: Llama-3"), std::string::npos) << r.out;
+  EXPECT_EQ(count_of(r.out, "chat template: Llama-3"), 1u) << r.out;  // once (not again as "chat: ...")
   EXPECT_NE(r.out.find("(chat ended)"), std::string::npos) << r.out;
 
   // The reference: turn 1, then its last token, the end of turn, turn 2, all in one sequence.
@@ -1041,7 +1090,7 @@ TEST(ServeChat, TerminalChatStreamsRepliesAndKeepsTheConversation) {
                                             pp::node::kAssistantHeader, false, true);
   feed2.insert(feed2.end(), rest.begin(), rest.end());
   const auto turn2 = generate(feed2);
-  const std::string expect = "> " + text_of(turn1) + "\n\n> " + text_of(turn2) + "\n";
+  const std::string expect = "> " + chat_reply(turn1, 8) + "\n> " + chat_reply(turn2, 8);
   EXPECT_NE(r.out.find(expect), std::string::npos) << "expected\n" << expect << "\nin\n" << r.out;
 }
 
@@ -1135,8 +1184,115 @@ TEST(ServeChat, OneProcessChatStreamsRepliesAndKeepsTheConversation) {
                                             pp::node::kAssistantHeader, false, true);
   feed2.insert(feed2.end(), rest.begin(), rest.end());
   const auto turn2 = generate(feed2);
-  const std::string expect = "> " + text_of(turn1) + "\n\n> " + text_of(turn2) + "\n";
+  const std::string expect = "> " + chat_reply(turn1, 8) + "\n> " + chat_reply(turn2, 8);
   EXPECT_NE(r.out.find(expect), std::string::npos) << "expected\n" << expect << "\nin\n" << r.out;
+}
+
+// Commands and blank lines never reach the model; /set changes the next reply's sampling; /reset starts over.
+TEST(ServeChat, CommandsAndBlankLinesAreNotSentToTheModel) {
+  REQUIRE_MODEL();
+  const fs::path input = model().dir / "chat-input-commands.txt";
+  std::ofstream(input) << "\n/help\n/set temperature 0.5\n/set top_k 0\n/frobnicate now\nHi there\n/reset\n"
+                          "Hello\n   \nAnd then?\n";
+  const std::string cmd = node_bin() + " --model " + model().path + " --chat --tokens 8 --ignore-eos --threads 1 < " +
+                          input.string();
+  const pp::test::RunResult r = pp::test::run_checked({"/bin/sh", "-c", cmd}, 25s);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_EQ(count_of(r.out, "chat template: Llama-3"), 1u) << r.out;
+  EXPECT_NE(r.out.find("  /set temperature X"), std::string::npos) << r.out;  // /help
+  EXPECT_NE(r.out.find("Ctrl-C stops a reply"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("temperature 0.5, top_k off"), std::string::npos) << r.out;
+  EXPECT_TRUE(std::regex_search(r.out, std::regex(R"(\n> error: /set top_k '0': must be an integer in \[1, 128256\] or off\n)")))
+      << r.out;  // the vocabulary's size
+  EXPECT_NE(r.out.find("unknown command /frobnicate (/help lists the commands)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("(new conversation)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("(chat ended)"), std::string::npos) << r.out;
+  // Three messages reached the model (one stats line each on stderr); the conversation after /reset is
+  // "Hello", "And then?" at temperature 0.5 (the failed /set top_k left top_k off).
+  EXPECT_EQ(count_of(r.err, " tokens, "), 3u) << r.err;
+  EXPECT_EQ(count_of(r.out, "[cut off at 8 tokens: /set tokens N for longer replies]\n"), 3u) << r.out;
+  pp::SamplingParams sp;
+  sp.temperature = 0.5;
+  const auto first = chat_reference({}, "", {"Hi there"}, 8, sp);
+  const auto turns = chat_reference({}, "", {"Hello", "And then?"}, 8, sp);
+  const std::string expect_first = "> " + chat_reply(first[0], 8) + "\n> (new conversation)\n\n> " +
+                                   chat_reply(turns[0], 8) + "\n> \n> " + chat_reply(turns[1], 8);
+  EXPECT_NE(r.out.find(expect_first), std::string::npos) << "expected\n" << expect_first << "\nin\n" << r.out;
+}
+
+// /system sets the system message and starts a new conversation; // sends a line that starts with /.
+TEST(ServeChat, SystemCommandAndDoubleSlash) {
+  REQUIRE_MODEL();
+  const fs::path input = model().dir / "chat-input-system.txt";
+  std::ofstream(input) << "/system You are terse.\n//help me\n";
+  const std::string cmd = node_bin() + " --model " + model().path + " --chat --tokens 6 --ignore-eos --threads 1 < " +
+                          input.string();
+  const pp::test::RunResult r = pp::test::run_checked({"/bin/sh", "-c", cmd}, 25s);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  const auto turns = chat_reference({}, "You are terse.", {"/help me"}, 6);
+  const std::string expect = "(system message set; new conversation)\n\n> " + chat_reply(turns[0], 6);
+  EXPECT_NE(r.out.find(expect), std::string::npos) << "expected\n" << expect << "\nin\n" << r.out;
+}
+
+// A reply cut at --tokens ends with a line that says so; one that ends by itself does not.
+TEST(ServeChat, ReplyCutAtTheLimitIsMarked) {
+  REQUIRE_MODEL();
+  const fs::path input = model().dir / "chat-input-cut.txt";
+  std::ofstream(input) << "Hello\n";
+  const std::string cmd = node_bin() + " --model " + model().path + " --chat --tokens 4 --ignore-eos --threads 1 < " +
+                          input.string();
+  const pp::test::RunResult r = pp::test::run_checked({"/bin/sh", "-c", cmd}, 25s);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  const auto turns = chat_reference({}, "", {"Hello"}, 4);
+  const std::string expect = "> " + pp::node::visible_controls(text_of(turns[0])) +
+                             "\n[cut off at 4 tokens: /set tokens N for longer replies]\n";
+  EXPECT_NE(r.out.find(expect), std::string::npos) << "expected\n" << expect << "\nin\n" << r.out;
+  EXPECT_NE(r.err.find("(4 tokens, "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find(" tok/s, first after "), std::string::npos) << r.err;
+}
+
+// SIGINT while a reply streams stops that reply and returns to the prompt; the chat goes on (its next
+// reply comes), and the end of input ends it with status 0.
+TEST(ServeChat, InterruptStopsTheReplyAndTheChatGoesOn) {
+  REQUIRE_MODEL();
+  Process chat(pp::test::node_argv({"--model", model().path, "--chat", "--tokens", "1500", "--ignore-eos",
+                                    "--threads", "1"}),
+               Process::Stdin::pipe);
+  ASSERT_TRUE(chat.started());
+  ASSERT_TRUE(chat.wait_output("ends the chat\n\n> ", 20s)) << chat.out() << chat.err();
+  const std::size_t at_prompt = chat.out().size();
+  ASSERT_TRUE(chat.write_stdin("Tell me a very long story about the sea.\n"));
+  // Some of the reply has streamed (not just a first piece that might be empty).
+  ASSERT_TRUE(chat.wait_output_longer(at_prompt + 16, 20s)) << chat.out() << chat.err();
+  chat.signal(SIGINT);
+  ASSERT_TRUE(chat.wait_output("\n[stopped]\n\n> ", 10s)) << chat.out() << chat.err();
+  EXPECT_TRUE(chat.running());
+  EXPECT_EQ(chat.out().find("[cut off"), std::string::npos) << chat.out();  // stopped well before 1500 tokens
+  ASSERT_TRUE(chat.write_stdin("/set tokens 3\nAnd then?\n"));
+  ASSERT_TRUE(chat.wait_output("[cut off at 3 tokens: /set tokens N for longer replies]\n\n> ", 20s))
+      << chat.out() << chat.err();
+  const std::string out = chat.out();
+  const std::size_t second = out.rfind("tokens 3, ignore-eos");
+  ASSERT_NE(second, std::string::npos) << out;
+  EXPECT_GT(out.find("\n[cut off at 3", second), out.find("> ", second) + 2) << out;  // a reply with text
+  chat.close_stdin();
+  EXPECT_EQ(chat.wait(10s), std::optional<int>(0)) << chat.out() << chat.err();
+  EXPECT_NE(chat.out().find("(chat ended)"), std::string::npos) << chat.out();
+  EXPECT_EQ(count_of(chat.err(), " tokens"), 2u) << chat.err();  // a stats line per reply, the stopped one too
+}
+
+// A SIGINT at an empty prompt asks for another; the second within the window ends the chat (status 0).
+TEST(ServeChat, InterruptTwiceAtThePromptEndsTheChat) {
+  REQUIRE_MODEL();
+  Process chat(pp::test::node_argv({"--model", model().path, "--chat", "--threads", "1"}), Process::Stdin::pipe);
+  ASSERT_TRUE(chat.started());
+  ASSERT_TRUE(chat.wait_output("ends the chat\n\n> ", 20s)) << chat.out() << chat.err();
+  chat.signal(SIGINT);
+  ASSERT_TRUE(chat.wait_output("(Ctrl-C again to exit, or Ctrl-D)\n\n> ", 10s)) << chat.out() << chat.err();
+  EXPECT_TRUE(chat.running());
+  chat.signal(SIGINT);
+  EXPECT_EQ(chat.wait(10s), std::optional<int>(0)) << chat.out() << chat.err();
+  EXPECT_NE(chat.out().find("(chat ended)"), std::string::npos) << chat.out();
 }
 
 // ================================================================ the HTTP front (issue 16)

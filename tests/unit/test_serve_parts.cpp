@@ -1,9 +1,13 @@
 // Pieces of pp_node --serve in-process: stop strings, chat templates, the cut planner, BATCH frames, request
 // validation, the HTTP request parser, special tokens in chat content.
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <optional>
 #include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -16,6 +20,7 @@
 #include "node/chat_template.hpp"
 #include "node/http_front.hpp"
 #include "node/http_server.hpp"
+#include "node/terminal_text.hpp"
 #include "node/cut_plan.hpp"
 #include "node/openai_api.hpp"
 #include "pp/text/stop_strings.hpp"
@@ -623,3 +628,45 @@ TEST(ChatSpecials, EverySpecialTokenInContentStaysText) {
 }
 
 }  // namespace
+
+// The terminal chat shows a reply's control characters instead of passing them to the terminal.
+TEST(TerminalText, ControlCharactersAreShownNotObeyed) {
+  using pp::node::visible_controls;
+  EXPECT_EQ(visible_controls("plain\ttext\nnext line, h\xC3\xA9 \xE2\x82\xAC"), "plain\ttext\nnext line, h\xC3\xA9 \xE2\x82\xAC");
+  EXPECT_EQ(visible_controls("\x1b[2J\x1b]0;title\x07"), "^[[2J^[]0;title^G");
+  EXPECT_EQ(visible_controls(std::string("a\0b\rc\x7f", 6)), "a^@b^Mc^?");
+  EXPECT_EQ(visible_controls("\xC2\x9B" "31m \xC2\x85 \xC2\xA0"), "\xEF\xBF\xBD" "31m \xEF\xBF\xBD \xC2\xA0");  // C1 CSI, NEL; NBSP stays
+}
+
+// Plain input lines: blank lines come through (the chat ignores them), a last line without its newline is a
+// line, then the end.
+TEST(TerminalText, FdLineInputReadsLinesThenTheEnd) {
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const std::string text = "one\r\n\ntwo";
+  ASSERT_EQ(::write(fds[1], text.data(), text.size()), ssize_t(text.size()));
+  ::close(fds[1]);
+  std::ostringstream out;
+  std::atomic<bool> stop{false};
+  pp::node::FdLineInput in(fds[0], out, &stop);
+  using K = pp::node::InputEvent;
+  auto e = in.read("> ");
+  EXPECT_EQ(e.kind, K::line);
+  EXPECT_EQ(e.text, "one");
+  e = in.read("> ");
+  EXPECT_EQ(e.kind, K::line);
+  EXPECT_EQ(e.text, "");
+  e = in.read("> ");
+  EXPECT_EQ(e.kind, K::line);
+  EXPECT_EQ(e.text, "two");
+  EXPECT_EQ(in.read("> ").kind, K::eof);
+  EXPECT_EQ(out.str(), "> > > > ");
+  ::close(fds[0]);
+  // The stop flag interrupts a wait.
+  ASSERT_EQ(::pipe(fds), 0);
+  pp::node::FdLineInput waiting(fds[0], out, &stop);
+  stop.store(true);
+  EXPECT_EQ(waiting.read("> ").kind, K::interrupt);
+  ::close(fds[0]);
+  ::close(fds[1]);
+}

@@ -20,10 +20,15 @@ struct UsageError {
   std::string message;
 };
 
-// Set by SIGINT/SIGTERM; accept loops and generations poll it.
+// Set by SIGINT/SIGTERM; accept loops and generations poll it. The terminal chat takes it back (sets it
+// to false) for "stop this reply"; g_terminate_requested, set by SIGTERM alone, tells it to end.
 inline std::atomic<bool> g_stop_requested{false};
+inline std::atomic<bool> g_terminate_requested{false};
 static_assert(std::atomic<bool>::is_always_lock_free);
-extern "C" inline void on_stop_signal(int) { g_stop_requested.store(true); }
+extern "C" inline void on_stop_signal(int sig) {
+  if (sig == SIGTERM) g_terminate_requested.store(true);
+  g_stop_requested.store(true);
+}
 
 inline void install_stop_handlers() {
   struct sigaction sa {};

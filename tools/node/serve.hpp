@@ -18,6 +18,7 @@
 #include "node/chat_template.hpp"
 #include "node/cut_plan.hpp"
 #include "node/http_server.hpp"
+#include "node/line_edit.hpp"
 #include "node/prompt_run.hpp"
 #include "node/openai_api.hpp"
 #include "pp/net/coordinator/scheduler.hpp"
@@ -132,8 +133,10 @@ inline void print_stages(const net::Coordinator& e) {
 
 }  // namespace serve_detail
 
-// Brings the pipeline up and serves until *stop (HTTP) or the end of the chat. Returns the exit status.
-inline int run_serve(const ModelRunOptions& run, const ServeOptions& so, const std::atomic<bool>* stop) {
+// Brings the pipeline up and serves until *stop (HTTP) or the end of the chat (which takes *stop back for
+// "stop this reply" and ends at *terminate). Returns the exit status.
+inline int run_serve(const ModelRunOptions& run, const ServeOptions& so, std::atomic<bool>* stop,
+                     const std::atomic<bool>* terminate = nullptr) {
   if (run.workers.empty() && so.cuts_auto) throw UsageError{"--cuts auto needs workers (--coordinator HOST,...)"};
   if (so.parallel < 1 || so.parallel > net::kMaxMuxSessions)
     throw UsageError{"--parallel " + std::to_string(so.parallel) + " outside [1, " + std::to_string(net::kMaxMuxSessions) + "]"};
@@ -216,7 +219,10 @@ inline int run_serve(const ModelRunOptions& run, const ServeOptions& so, const s
 
   if (so.chat) {
     if (!api.chat) throw Error("--chat: " + api.chat_why);
-    return run_chat(engine, *api.chat, so.chat_options, std::cin, std::cout, stop);
+    const std::unique_ptr<LineInput> in = chat_line_input("pp_node", std::cout, stop);
+    ChatOptions co = so.chat_options;
+    co.dim_stats = ::isatty(STDERR_FILENO) == 1;
+    return run_chat(engine, *api.chat, co, *in, std::cout, std::cerr, stop, terminate);
   }
 
   HttpOptions ho;
