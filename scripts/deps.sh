@@ -14,3 +14,16 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
+
+# Optional: headless Chromium for the web page's browser test (tests/contract/test_node_serve.cpp, which
+# skips without it). About 150 MB, ~3 min to install on a fresh Debian 12; a failed install only warns.
+# PP_NO_BROWSER=1 leaves it out.
+browser=(chromium chromium-driver)
+missing=()
+[ "${PP_NO_BROWSER:-0}" = 1 ] || for p in "${browser[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  export DEBIAN_FRONTEND=noninteractive
+  { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"; } ||
+    echo "deps.sh: warning: could not install ${missing[*]}; the browser test will be skipped" >&2
+fi

@@ -31,6 +31,7 @@
 #include "../common/http_bad_bodies.hpp"
 #include "../common/node_process.hpp"
 #include "../common/sse_stream.hpp"
+#include "../common/webdriver.hpp"
 #include "node/chat_template.hpp"
 #include "node/terminal_text.hpp"
 #include "node/worker_status.hpp"
@@ -616,6 +617,169 @@ TEST_F(ServeTwoStages, MetricsParseAndNameEveryStage) {
   ASSERT_TRUE(health);
   EXPECT_EQ(health->status, 200);
   EXPECT_EQ(json::parse(health->body)["status"], "ok");
+}
+
+// ---------------------------------------------------------------- the web page (GET /) and /v1/status
+
+// Where a test leaves files to look at afterwards (a screenshot): PP_TEST_OUTPUT_DIR (meson: the build's
+// tests/ directory), else the system's temp directory.
+fs::path output_dir() {
+  const char* d = std::getenv("PP_TEST_OUTPUT_DIR");
+  return d && *d ? fs::path(d) : fs::temp_directory_path();
+}
+
+json get_status(const Pipeline& p) {
+  const auto res = p.client()->Get("/v1/status");
+  if (!res) {
+    ADD_FAILURE() << "GET /v1/status failed: " << httplib::to_string(res.error());
+    return json();
+  }
+  EXPECT_EQ(res->status, 200) << res->body;
+  EXPECT_NE(res->get_header_value("Content-Type").find("application/json"), std::string::npos);
+  return json::parse(res->body, nullptr, false);
+}
+
+TEST_F(ServeTwoStages, PageIsOneSelfContainedDocumentWithItsSecurityHeaders) {
+  auto c = p().client();
+  const auto res = c->Get("/");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  EXPECT_EQ(res->get_header_value("Content-Type"), "text/html; charset=utf-8");
+  const std::string csp = res->get_header_value("Content-Security-Policy");
+  EXPECT_NE(csp.find("default-src 'self'"), std::string::npos) << csp;
+  EXPECT_NE(csp.find("script-src 'unsafe-inline'"), std::string::npos) << csp;
+  EXPECT_EQ(res->get_header_value("X-Content-Type-Options"), "nosniff");
+  EXPECT_EQ(res->get_header_value("Cache-Control"), "no-store");
+  const std::string& page = res->body;
+  EXPECT_LT(page.size(), 20u * 1024) << "keep the page small";
+  EXPECT_EQ(page.rfind("<!doctype html>", 0), 0u);
+  for (const char* needle : {"id=\"input\"", "id=\"send\"", "id=\"stop\"", "id=\"new\"", "id=\"temperature\"",
+                             "id=\"top_p\"", "id=\"max_tokens\"", "id=\"seed\"", "id=\"stages\"", "/v1/chat/completions",
+                             "/v1/status", "AbortController", "getReader", "stream: true", "textContent", "</html>"})
+    EXPECT_NE(page.find(needle), std::string::npos) << needle;
+  // Nothing from elsewhere and no HTML from strings: model output goes in as text.
+  for (const char* banned : {"innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", " src=",
+                             "href=", "http://", "https://"})
+    EXPECT_EQ(page.find(banned), std::string::npos) << banned;
+  EXPECT_FALSE(std::regex_search(page, std::regex(R"(<[a-z]+[^>]*\son[a-z]+=)"))) << "an inline event handler (the CSP allows them, the page should not need them)";
+
+  const auto head = c->Head("/");
+  ASSERT_TRUE(head);
+  EXPECT_EQ(head->status, 200);
+  EXPECT_TRUE(head->body.empty());
+  EXPECT_EQ(head->get_header_value("Content-Type"), "text/html; charset=utf-8");
+  const auto post_page = c->Post("/", "x", "text/plain");
+  ASSERT_TRUE(post_page);
+  EXPECT_EQ(post_page->status, 405);
+  EXPECT_EQ(post_page->get_header_value("Allow"), "GET, HEAD");
+}
+
+TEST_F(ServeTwoStages, StatusNamesEveryStageWithItsLayersAndKernels) {
+  ASSERT_EQ(post(p(), "/v1/completions", R"({"prompt":"status","max_tokens":4,"temperature":0})").status, 200);
+  const json s = get_status(p());
+  ASSERT_TRUE(s.is_object()) << s;
+  EXPECT_EQ(s["object"], "pipeline.status");
+  EXPECT_EQ(s["model"], "serve.gguf");
+  EXPECT_EQ(s["pipeline_up"], true);
+  EXPECT_GE(s["requests"]["ok"].get<double>(), 1);
+  EXPECT_GT(s["tokens_generated"].get<double>(), 0);
+  EXPECT_TRUE(s["tokens_per_second"].is_number());
+  ASSERT_EQ(s["stages"].size(), 2u) << s;
+  const json& s0 = s["stages"][0];
+  const json& s1 = s["stages"][1];
+  EXPECT_EQ(s0["stage"], 0);
+  EXPECT_EQ(s0["host"], "coordinator");
+  EXPECT_EQ(s0["layers"], json({0, 3}));
+  EXPECT_EQ(s1["stage"], 1);
+  EXPECT_EQ(s1["host"], "127.0.0.1:" + std::to_string(p().worker_ports[0]));
+  EXPECT_EQ(s1["layers"], json({3, 6}));
+  EXPECT_EQ(s1["up"], true);
+  for (const json& st : s["stages"]) {
+    ASSERT_TRUE(st["arch"].is_string()) << st;
+    EXPECT_FALSE(st["arch"].get<std::string>().empty()) << st;
+    EXPECT_EQ(st["threads"], 1) << st;
+    EXPECT_GT(st["batches"].get<double>(), 0) << st;
+    EXPECT_GT(st["batch_rows"].get<double>(), 0) << st;
+    EXPECT_GT(st["compute_ms_per_batch"].get<double>(), 0) << st;
+    EXPECT_TRUE(st["sessions_active"].is_number()) << st;
+    EXPECT_TRUE(st["bytes_sent"].is_number()) << st;
+  }
+}
+
+TEST(ServeOneProcess, StatusNamesTheOneStageAndThePageIsServed) {
+  REQUIRE_MODEL();
+  auto p = start_pipeline(0, {});
+  ASSERT_TRUE(p);
+  ASSERT_EQ(post(*p, "/v1/completions", R"({"prompt":"status","max_tokens":4,"temperature":0})").status, 200);
+  const json s = get_status(*p);
+  ASSERT_TRUE(s.is_object()) << s;
+  ASSERT_EQ(s["stages"].size(), 1u) << s;
+  EXPECT_EQ(s["stages"][0]["host"], "coordinator");
+  EXPECT_EQ(s["stages"][0]["layers"], json({0, 6}));
+  EXPECT_FALSE(s["stages"][0]["arch"].get<std::string>().empty());
+  EXPECT_GT(s["stages"][0]["batches"].get<double>(), 0);
+  EXPECT_EQ(s["pipeline_up"], true);
+  const auto page = p->client()->Get("/");
+  ASSERT_TRUE(page);
+  EXPECT_EQ(page->status, 200);
+  EXPECT_NE(page->body.find("id=\"stages\""), std::string::npos);
+}
+
+// A real browser (headless Chromium over WebDriver): types a message, sends it, reads the streamed reply
+// and the pipeline view, saves a screenshot. Skipped when chromium or chromedriver is not installed.
+TEST_F(ServeTwoStages, BrowserChatsWithStreamedRepliesAndShowsThePipeline) {
+  std::string why;
+  std::unique_ptr<pp::test::Browser> b;
+  try {
+    b = pp::test::Browser::start(why);
+  } catch (const std::exception& e) {
+    FAIL() << "the browser did not start: " << e.what();
+  }
+  if (!b) GTEST_SKIP() << why;
+  try {
+    b->go("http://127.0.0.1:" + std::to_string(p().port) + "/");
+    // Greedy and short, so the reply can be compared with the same request made without the page.
+    b->clear("#temperature");
+    b->type("#temperature", "0");
+    b->clear("#max_tokens");
+    b->type("#max_tokens", "24");
+    const std::string message = "Hello from the browser";
+    b->type("#input", message);
+    b->click("#send");
+
+    // Streaming: the reply grows, then Send comes back.
+    const auto reply = b->wait_for(
+        "const a = document.querySelector('.msg.assistant'); return a && !a.classList.contains('busy') && "
+        "!document.getElementById('send').disabled ? a.textContent : null;",
+        20s);
+    ASSERT_TRUE(reply) << "no finished reply; page log: " << b->eval("return document.getElementById('log').innerText;");
+    const json want_body = {{"messages", {{{"role", "user"}, {"content", message}}}}, {"temperature", 0}, {"max_tokens", 24}};
+    const Reply want = post(p(), "/v1/chat/completions", want_body.dump());
+    ASSERT_EQ(want.status, 200) << want.raw;
+    EXPECT_EQ(reply->get<std::string>(), want.body["choices"][0]["message"]["content"].get<std::string>());
+    EXPECT_FALSE(reply->get<std::string>().empty());
+    EXPECT_EQ(b->eval("return document.querySelector('.msg.user').textContent;"), message);
+    EXPECT_EQ(b->eval("return document.querySelectorAll('.error').length;"), 0)
+        << b->eval("return document.getElementById('log').innerText;");
+
+    // The pipeline view (refreshed every 2 s) lists both stages with their layers, and counts the reply.
+    const std::string worker = "127.0.0.1:" + std::to_string(p().worker_ports[0]);
+    const auto view = b->wait_for(
+        "const rows = [...document.querySelectorAll('#stages tr')].map(r => r.innerText); "
+        "return rows.length === 2 && rows[0].includes('coordinator') && rows[0].includes('[0, 3)') && "
+        "/[1-9][0-9]* ok/.test(document.getElementById('summary').textContent) && "
+        "rows[1].includes('" + worker + "') && rows[1].includes('[3, 6)') ? rows : null;",
+        10s);
+    EXPECT_TRUE(view) << "the pipeline view: " << b->eval("return document.querySelector('aside').innerText;");
+
+    const fs::path png = output_dir() / "pp_web_page.png";
+    b->screenshot(png);
+    ASSERT_TRUE(fs::exists(png));
+    EXPECT_GT(fs::file_size(png), 1000u);
+    std::printf("screenshot: %s\n", png.c_str());
+  } catch (const std::exception& e) {
+    FAIL() << e.what();
+  }
 }
 
 // ================================================================ three stages

@@ -3,11 +3,12 @@
 //
 //   POST /v1/completions, /v1/chat/completions   (stream: true -> server-sent events, ending "data: [DONE]")
 //   GET  /v1/models, /v1/models/{id}, /health, /metrics (Prometheus text); OPTIONS on any path (CORS)
+//   GET  / (the chat page, tools/node/web_page.hpp), /v1/status (the pipeline as JSON, for that page)
 //
-// /health, /v1/models, OPTIONS and the 404/405 answers come from the event loop itself, so they never wait
+// /, /health, /v1/models, OPTIONS and the 404/405 answers come from the event loop itself, so they never wait
 // behind generations. /health answers from the engine's link and the latest STATUS probe of every worker,
 // made by a background thread at most once a second while /health is being asked (so a worker that comes
-// back is seen without any generation request). Generations and /metrics run on the handler threads.
+// back is seen without any generation request). Generations, /metrics and /v1/status run on the handler threads.
 //
 // Each generation reads its own GenStream, so a client that reads slowly only slows its own response; a
 // client that goes away cancels its generation (its sessions are closed on every stage). A streamed
@@ -39,6 +40,7 @@
 
 #include "node/http_front.hpp"
 #include "node/openai_api.hpp"
+#include "node/web_page.hpp"
 #include "pp/net/coordinator/scheduler.hpp"
 #include "node/worker_status.hpp"
 #include "pp/net/socket.hpp"
@@ -56,7 +58,7 @@ struct HttpOptions {
 
 // ---- routing (no engine needed: tests/fuzz/fuzz_http.cpp runs it) ----
 
-enum class Route { completions, chat, models, model, health, metrics, options, not_found, wrong_method };
+enum class Route { completions, chat, models, model, health, metrics, status, page, options, not_found, wrong_method };
 
 struct RouteMatch {
   Route route = Route::not_found;
@@ -74,7 +76,9 @@ inline RouteMatch match_route(std::string_view method, std::string_view path) {
                                      {"/v1/chat/completions", "POST", Route::chat},
                                      {"/v1/models", "GET", Route::models},
                                      {"/health", "GET", Route::health},
-                                     {"/metrics", "GET", Route::metrics}};
+                                     {"/metrics", "GET", Route::metrics},
+                                     {"/v1/status", "GET", Route::status},
+                                     {"/", "GET", Route::page}};
   if (method == "OPTIONS") return {Route::options, {}, {}};
   const bool get = method == "GET" || method == "HEAD";
   for (const Known& k : kKnown)
@@ -128,7 +132,7 @@ inline std::optional<HttpResponse> simple_response(const HttpRequest& q, const R
   }
   if (m.route == Route::not_found)
     return error_response(api_error(404, "no such endpoint: " + printable(q.method, 32) + " " + printable(q.path) +
-                                             " (POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics)"));
+                                             " (POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics, GET /v1/status, GET /)"));
   if (m.route == Route::wrong_method) {
     HttpResponse r = error_response(api_error(405, "method " + printable(q.method, 32) + " is not allowed on " + printable(q.path) +
                                                        " (allowed: " + m.allow + ")"));
@@ -187,6 +191,8 @@ class HttpServer {
       }
       case Route::health:
         return health();
+      case Route::page:
+        return page_response();
       default:
         return std::nullopt;
     }
@@ -199,6 +205,7 @@ class HttpServer {
       res.send(200, "text/plain; version=0.0.4", metrics_text());
       return;
     }
+    if (m.route == Route::status) return send(res, json_response(200, status_json()));
     generate(q, res, m.route == Route::chat);
   }
 
@@ -392,12 +399,10 @@ class HttpServer {
     if (large) ::malloc_trim(0);
   }
 
-  // Prometheus text: the coordinator's counters, and each worker's from its STATUS (queried now).
-  std::string metrics_text() {
-    const net::CoordinatorMetrics m = engine_.metrics();
-    const auto& hops = engine_.hops();
+  // Every worker's STATUS, asked at once (nullopt: it did not answer within status_timeout).
+  std::vector<std::optional<StatusMap>> worker_status() const {
     std::vector<std::future<std::optional<StatusMap>>> asks;
-    for (const net::Hop& h : hops)
+    for (const net::Hop& h : engine_.hops())
       asks.push_back(std::async(std::launch::async, [this, peer = h.peer]() -> std::optional<StatusMap> {
         try {
           return query_status(peer, o_.status_timeout, o_.authenticate);
@@ -407,6 +412,93 @@ class HttpServer {
       }));
     std::vector<std::optional<StatusMap>> status;
     for (auto& a : asks) status.push_back(a.get());
+    return status;
+  }
+
+  // A number from a worker's STATUS; nullopt when it did not answer or has no such key.
+  static std::optional<double> status_number(const std::optional<StatusMap>& status, const char* key) {
+    if (!status) return std::nullopt;
+    const auto it = status->find(key);
+    if (it == status->end()) return std::nullopt;
+    try {
+      return std::stod(it->second);
+    } catch (const std::exception&) {
+      return std::nullopt;
+    }
+  }
+
+  // /v1/status: what /metrics reports, as JSON for the page (docs/SERVING.md lists the fields). Stage 0 is
+  // this process; the others are the workers, their counters from STATUS (queried now) and their kernels
+  // from the chain's WELCOME.
+  json status_json() const {
+    const net::CoordinatorMetrics m = engine_.metrics();
+    const auto& hops = engine_.hops();
+    const std::vector<std::optional<StatusMap>> status = worker_status();
+    const std::vector<net::StageReport> reports = engine_.stage_reports();
+    auto ms_per_batch = [](std::optional<double> seconds, std::optional<double> batches) -> json {
+      if (!seconds || !batches || *batches <= 0) return nullptr;
+      return *seconds * 1e3 / *batches;
+    };
+    auto number = [](std::optional<double> v) -> json { return v ? json(*v) : json(nullptr); };
+
+    json stages = json::array();
+    const net::NumericProfile mine{engine_.stage().kernel_profile(), engine_.stage().threads()};
+    const LayerRange r0 = engine_.stage().range();
+    stages.push_back({{"stage", 0}, {"host", "coordinator"}, {"layers", {r0.lo, r0.hi}}, {"arch", mine.arch},
+                      {"threads", mine.threads}, {"up", true}, {"sessions_active", m.sessions_active},
+                      {"batches", m.batches}, {"batch_rows", m.batch_rows}, {"compute_seconds", m.stage0_compute_s},
+                      {"transfer_seconds", m.stage0_transfer_s},
+                      {"compute_ms_per_batch", ms_per_batch(m.stage0_compute_s, double(m.batches))},
+                      {"bytes_sent", m.bytes_sent}, {"bytes_received", m.bytes_received}});
+    for (std::size_t i = 0; i < hops.size(); ++i) {
+      const std::optional<StatusMap>& st = status[i];
+      json s = {{"stage", i + 1}, {"host", hops[i].peer.str()}, {"layers", {hops[i].range.lo, hops[i].range.hi}},
+                {"arch", nullptr}, {"threads", nullptr}, {"up", bool(st)}};
+      const auto report = std::find_if(reports.begin(), reports.end(), [&](const net::StageReport& w) { return w.stage == i + 1; });
+      if (report != reports.end()) s["arch"] = report->profile.arch, s["threads"] = report->profile.threads;
+      else if (st && st->count("arch")) s["arch"] = st->at("arch");  // the chain is down: the worker's own SIMD
+      const auto compute = status_number(st, "compute_seconds"), batches = status_number(st, "batches");
+      s["sessions_active"] = number(status_number(st, "sessions_active"));
+      s["batches"] = number(batches);
+      s["batch_rows"] = number(status_number(st, "batch_rows"));
+      s["compute_seconds"] = number(compute);
+      s["transfer_seconds"] = number(status_number(st, "transfer_seconds"));
+      s["compute_ms_per_batch"] = ms_per_batch(compute, batches);
+      s["bytes_sent"] = number(status_number(st, "bytes_sent"));
+      s["bytes_received"] = number(status_number(st, "bytes_received"));
+      stages.push_back(std::move(s));
+    }
+    return {{"object", "pipeline.status"},
+            {"model", o_.model_id},
+            {"pipeline_up", m.link_up},
+            {"link_error", m.link_error},
+            {"tokens_per_second", m.tokens_per_second},
+            {"tokens_generated", m.tokens_generated},
+            {"prompt_tokens", m.prompt_tokens},
+            {"requests", {{"ok", m.requests_ok}, {"error", m.requests_error}, {"cancelled", m.requests_cancelled}}},
+            {"sessions_active", m.sessions_active},
+            {"queue_depth", m.queue_depth},
+            {"batches", m.batches},
+            {"time_to_first_token_avg_s", m.ttft_count ? json(m.ttft_sum_s / double(m.ttft_count)) : json(nullptr)},
+            {"stages", std::move(stages)}};
+  }
+
+  static HttpResponse page_response() {
+    HttpResponse r;
+    r.content_type = "text/html; charset=utf-8";
+    r.body = std::string(kWebPage);
+    r.headers = {{"Content-Security-Policy", std::string(kWebPageCsp)},
+                 {"X-Content-Type-Options", "nosniff"},
+                 {"Cache-Control", "no-store"},
+                 {"Referrer-Policy", "no-referrer"}};
+    return r;
+  }
+
+  // Prometheus text: the coordinator's counters, and each worker's from its STATUS (queried now).
+  std::string metrics_text() {
+    const net::CoordinatorMetrics m = engine_.metrics();
+    const auto& hops = engine_.hops();
+    const std::vector<std::optional<StatusMap>> status = worker_status();
 
     std::string s;
     auto family = [&](const char* name, const char* type, const char* help) {
@@ -422,16 +514,7 @@ class HttpServer {
       return "stage=\"" + std::to_string(i) + "\",layers=\"" + std::to_string(r.lo) + "-" + std::to_string(r.hi) +
              "\",instance=\"" + (i == 0 ? std::string("coordinator") : hops[i - 1].peer.str()) + "\"";
     };
-    auto worker_value = [&](std::size_t i, const char* key) -> std::optional<double> {
-      if (!status[i]) return std::nullopt;
-      const auto it = status[i]->find(key);
-      if (it == status[i]->end()) return std::nullopt;
-      try {
-        return std::stod(it->second);
-      } catch (const std::exception&) {
-        return std::nullopt;
-      }
-    };
+    auto worker_value = [&](std::size_t i, const char* key) { return status_number(status[i], key); };
 
     family("pp_tokens_generated_total", "counter", "Tokens generated for all requests.");
     sample("pp_tokens_generated_total", "", double(m.tokens_generated));

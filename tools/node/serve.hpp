@@ -235,7 +235,7 @@ inline int run_serve(const ModelRunOptions& run, const ServeOptions& so, std::at
   front->listen();  // before the line below: a client that reads it may connect at once
   const int port = front->port();
   std::cout << "serving '" << so.model_id << "' on http://" << so.http_host << ":" << port
-            << "  (POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics; --parallel "
+            << "  (POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics, /v1/status, / (chat page); --parallel "
             << so.parallel << ")" << std::endl;
   if (!net::is_loopback_host(so.http_host))
     std::cerr << "pp_node: warning: the HTTP API is bound to " << so.http_host << ":" << port

@@ -144,8 +144,13 @@ class Coordinator {
   LayerRange stage_range() const { return LayerRange{0, local() ? int(config_.n_layer) : cfg_.cuts.front()}; }
   // Every layer in this process: no chain.
   bool local() const { return hops_.empty(); }
-  // The chain's WELCOME (after connect()).
+  // The chain's WELCOME (after connect(); not while the scheduler runs, which may reconnect).
   const Welcome& welcome() const { return welcome_; }
+  // Its stages, safe while the scheduler runs (a reconnect replaces them).
+  std::vector<StageReport> stage_reports() const {
+    std::lock_guard lock(metrics_mu_);
+    return welcome_.stages;
+  }
 
   // Maps and loads stage 0 (may run while connect() waits for the workers to load theirs).
   void load_stage() {
@@ -191,9 +196,9 @@ class Coordinator {
           }
           cv_.notify_all();
         });
-    welcome_ = link->welcome();
     link_ = std::move(link);
     std::lock_guard lock(metrics_mu_);
+    welcome_ = link_->welcome();
     metrics_.link_up = true;
     metrics_.link_error.clear();
     ++metrics_.link_epoch;
