@@ -336,6 +336,46 @@ void BM_DecodeLayer(benchmark::State& st) {
 }
 BENCHMARK(BM_DecodeLayer)->ArgsProduct({{0, 2}, {1, 2}})->Unit(benchmark::kMicrosecond)->UseRealTime()->MinTime(1.0);
 
+// Sampling one token from 128256 logits, per sampler chain (pp::Sampler::sample), us per token.
+// Logits: a fixed-seed Gaussian N(0, 2^2) over the vocabulary (the bulk of a real LM's head output) with
+// eight high outliers at 15, 14, ..., 8 (the few plausible next tokens): at temperature 1 the outliers hold
+// ~85% of the mass and the rest is spread thinly over tens of thousands of tokens, so untruncated draws
+// sometimes land deep in the tail. The position advances every iteration, so each draw has its own u.
+const pp::SamplingParams& sample_chain(int64_t i) {
+  using O = std::optional<double>;
+  using K = std::optional<int64_t>;
+  static const pp::SamplingParams chains[] = {
+      {O{}, K{}, O{}, O{}, 0},       // greedy
+      {1.0, K{}, O{}, O{}, 0},       // temperature 1 only
+      {0.8, 40, O{}, O{}, 0},        // temperature 0.8, top_k 40
+      {O{}, K{}, 0.9, O{}, 0},       // top_p 0.9
+      {O{}, K{}, O{}, 0.05, 0},      // min_p 0.05
+      {0.7, 40, 0.95, 0.05, 0},      // temperature 0.7, top_k 40, top_p 0.95, min_p 0.05
+  };
+  return chains[i];
+}
+const char* sample_chain_name(int64_t i) {
+  static const char* names[] = {"greedy", "temp 1", "temp 0.8 top_k 40", "top_p 0.9", "min_p 0.05",
+                                "temp 0.7 top_k 40 top_p 0.95 min_p 0.05"};
+  return names[i];
+}
+
+void BM_Sample(benchmark::State& st) {
+  constexpr std::size_t V = 128256;
+  std::vector<float> logits(V);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> gauss(0.0f, 2.0f);
+  for (float& l : logits) l = gauss(rng);
+  for (int j = 0; j < 8; ++j) logits[(std::size_t(j) * 15731 + 977) % V] = float(15 - j);
+  pp::SamplingParams sp = sample_chain(st.range(0));
+  sp.seed = 42;
+  pp::Sampler sampler;
+  int64_t pos = 0;
+  for (auto _ : st) benchmark::DoNotOptimize(sampler.sample(logits, sp, pos++));
+  st.SetLabel(sample_chain_name(st.range(0)));
+}
+BENCHMARK(BM_Sample)->DenseRange(0, 5)->Unit(benchmark::kMicrosecond)->MinTime(1.0);
+
 // Opening a whole 1B stage: weights copied into anonymous memory vs used from the mapping (pages
 // pre-faulted). Wall time of the open and the process's RSS growth (VmRSS). Reads the file from the page
 // cache (an earlier benchmark or run has read it), so this is the cost of a warm start.
