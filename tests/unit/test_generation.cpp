@@ -43,7 +43,7 @@ TEST(Generation, GreedyMatchesTheLoopByHandOnTheWholeModel) {
   std::vector<float> expect_logits;
   const auto expect = by_hand(tiny(), 12, {}, &expect_logits);
   pp::LocalPipeline whole(pp::Model::open(tiny()), {}, pp::WireDType::F32, {.threads = 1});
-  pp::Generation gen(whole, {.max_tokens = 12});
+  pp::Generation gen(whole, {.sampling = {}, .max_tokens = 12});
   gen.prefill(kPrompt);
   std::vector<float> got_logits;
   while (gen.step()) got_logits.insert(got_logits.end(), gen.logits().begin(), gen.logits().end());
@@ -71,7 +71,7 @@ TEST(Generation, SampledTokensFollowTheSeedAndPositionRuleAcrossRunners) {
 
 TEST(Generation, PromptLogitsCoverEveryRowAndTheLastIsTheFirstDraw) {
   pp::LocalPipeline whole(pp::Model::open(tiny()), {}, pp::WireDType::F32, {.threads = 1});
-  pp::Generation gen(whole, {.max_tokens = 1});
+  pp::Generation gen(whole, {.sampling = {}, .max_tokens = 1});
   std::vector<float> rows;
   gen.prefill(kPrompt, &rows);
   const std::size_t V = whole.config().n_vocab;
@@ -84,7 +84,7 @@ TEST(Generation, PromptLogitsCoverEveryRowAndTheLastIsTheFirstDraw) {
 
 TEST(Generation, MisuseIsARequestErrorNotACrash) {
   pp::LocalPipeline whole(pp::Model::open(tiny()), {}, pp::WireDType::F32, {.threads = 1});
-  pp::Generation gen(whole, {.max_tokens = 0});
+  pp::Generation gen(whole, {.sampling = {}, .max_tokens = 0});
   EXPECT_THROW(gen.step(), pp::RequestError);  // before prefill
   EXPECT_THROW(gen.prefill({}), pp::RequestError);
   gen.prefill(kPrompt);

@@ -130,7 +130,9 @@ TEST(SplitInvariance, PrefillEqualsTokenByToken) {
       std::printf("[split] %s%s: bulk (%s) vs token by token: max |diff| %.3g\n", dt, fast ? " fast_float" : "",
                   rounded ? "bf16 dot" : pp::kernels::amx::available() && t != pp::DType::F32 ? "AMX" : "vector tiles",
                   worst);
-      if (!rounded) EXPECT_LT(worst, 1e-4);  // the rounded path's distance is bounded by the golden tests
+      if (!rounded) {
+        EXPECT_LT(worst, 1e-4);
+      }  // the rounded path's distance is bounded by the golden tests
     }
   }
 }
