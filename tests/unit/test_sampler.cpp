@@ -157,7 +157,7 @@ TEST(Sampler, SameTokensAsReferenceSmallVocab) {
 
 TEST(Sampler, SameTokensAsReferenceLlama3Vocab) {
   int n = 0;
-  compare(kLlama3Vocab, 2000 / kScale, 40 / kScale, 5, n);
+  compare(kLlama3Vocab, 500 / kScale, 40 / kScale, 5, n);  // ~0.5 ms a draw: the small vocabularies take the volume
   RecordProperty("draws", n);
 }
 
