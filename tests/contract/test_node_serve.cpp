@@ -1216,25 +1216,10 @@ std::vector<std::vector<int32_t>> chat_reference(const std::vector<int>& cuts, c
   return replies;
 }
 
-TEST(ServeChat, TerminalChatStreamsRepliesAndKeepsTheConversation) {
-  REQUIRE_MODEL();
-  auto w = std::make_unique<Process>(std::vector<std::string>{node_bin(), "--worker", "--model", model().path, "--host",
-                                                              "127.0.0.1", "--port", "0", "--threads", "1"});
-  ASSERT_TRUE(w->wait_output("  (Ctrl-C to stop)", 10s));
-  const auto port = port_in(w->out(), R"(listening on 127\.0\.0\.1:(\d+))");
-  ASSERT_TRUE(port);
-  const fs::path input = model().dir / "chat-input.txt";
-  std::ofstream(input) << "Hello\nAnd then?\n";
-  const std::string cmd = node_bin() + " --coordinator 127.0.0.1:" + std::to_string(*port) + " --model " + model().path +
-                          " --chat --tokens 8 --threads 1 < " + input.string();
-  const pp::test::RunResult r = pp::test::run_process({"/bin/sh", "-c", cmd}, 25s);
-  ASSERT_EQ(r.code, 0) << r.out << r.err;
-  EXPECT_NE(r.out.find("loading: stage 0 [0, 3)"), std::string::npos) << r.out;
-  EXPECT_EQ(count_of(r.out, "chat template: Llama-3"), 1u) << r.out;  // once (not again as "chat: ...")
-  EXPECT_NE(r.out.find("(chat ended)"), std::string::npos) << r.out;
-
-  // The reference: turn 1, then its last token, the end of turn, turn 2, all in one sequence.
-  pp::LocalPipeline pipe(model().path, {3}, pp::WireDType::F32, {.threads = 1});
+// What the chat prints for "Hello" then "And then?" at --tokens 8, greedy: turn 1, then its last token,
+// the end of turn, turn 2, all in one sequence, computed by a LocalPipeline with these cuts.
+std::string two_turn_transcript(const std::vector<int>& cuts) {
+  pp::LocalPipeline pipe(model().path, cuts, pp::WireDType::F32, {.threads = 1});
   std::vector<float> logits(pipe.config().n_vocab);
   pp::Sampler sampler;
   int64_t pos = 0;
@@ -1254,8 +1239,29 @@ TEST(ServeChat, TerminalChatStreamsRepliesAndKeepsTheConversation) {
                                             pp::node::kAssistantHeader, false, true);
   feed2.insert(feed2.end(), rest.begin(), rest.end());
   const auto turn2 = generate(feed2);
-  const std::string expect = "> " + chat_reply(turn1, 8) + "\n> " + chat_reply(turn2, 8);
-  EXPECT_NE(r.out.find(expect), std::string::npos) << "expected\n" << expect << "\nin\n" << r.out;
+  return "> " + chat_reply(turn1, 8) + "\n> " + chat_reply(turn2, 8);
+}
+
+TEST(ServeChat, TerminalChatStreamsRepliesAndKeepsTheConversation) {
+  REQUIRE_MODEL();
+  auto w = std::make_unique<Process>(std::vector<std::string>{node_bin(), "--worker", "--model", model().path, "--host",
+                                                              "127.0.0.1", "--port", "0", "--threads", "1"});
+  ASSERT_TRUE(w->wait_output("  (Ctrl-C to stop)", 10s));
+  const auto port = port_in(w->out(), R"(listening on 127\.0\.0\.1:(\d+))");
+  ASSERT_TRUE(port);
+  const fs::path input = model().dir / "chat-input.txt";
+  std::ofstream(input) << "Hello\nAnd then?\n";
+  const std::string cmd = node_bin() + " --coordinator 127.0.0.1:" + std::to_string(*port) + " --model " + model().path +
+                          " --chat --tokens 8 --threads 1 < " + input.string();
+  const pp::test::RunResult r = pp::test::run_process({"/bin/sh", "-c", cmd}, 25s);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("loading: stage 0 [0, 3)"), std::string::npos) << r.out;
+  EXPECT_EQ(count_of(r.out, "chat template: Llama-3"), 1u) << r.out;  // once (not again as "chat: ...")
+  EXPECT_NE(r.out.find("(chat ended)"), std::string::npos) << r.out;
+
+  // The reference: turn 1, then its last token, the end of turn, turn 2, all in one sequence.
+  EXPECT_NE(r.out.find(two_turn_transcript({3})), std::string::npos)
+      << "expected\n" << two_turn_transcript({3}) << "\nin\n" << r.out;
 }
 
 // ---------------------------------------------------------------- one process (no workers)
@@ -1328,28 +1334,8 @@ TEST(ServeChat, OneProcessChatStreamsRepliesAndKeepsTheConversation) {
   const pp::test::RunResult r = pp::test::run_process({"/bin/sh", "-c", cmd}, 25s);
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("(chat ended)"), std::string::npos) << r.out;
-  pp::LocalPipeline pipe(model().path, {}, pp::WireDType::F32, {.threads = 1});
-  std::vector<float> logits(pipe.config().n_vocab);
-  pp::Sampler sampler;
-  int64_t pos = 0;
-  auto generate = [&](std::vector<int32_t> feed) {
-    std::vector<int32_t> out;
-    for (int i = 0; i < 8; ++i) {
-      pipe.run(feed, pos, logits.data(), 1);
-      pos += int64_t(feed.size());
-      out.push_back(sampler.sample(logits, {}, pos));
-      feed.assign(1, out.back());
-    }
-    return out;
-  };
-  const auto turn1 = generate(chat_ids({{"user", "Hello"}}));
-  std::vector<int32_t> feed2{turn1.back()};
-  const auto rest = model().tok->encode("<|eot_id|>" + pp::node::render_turn("user", "And then?") +
-                                            pp::node::kAssistantHeader, false, true);
-  feed2.insert(feed2.end(), rest.begin(), rest.end());
-  const auto turn2 = generate(feed2);
-  const std::string expect = "> " + chat_reply(turn1, 8) + "\n> " + chat_reply(turn2, 8);
-  EXPECT_NE(r.out.find(expect), std::string::npos) << "expected\n" << expect << "\nin\n" << r.out;
+  EXPECT_NE(r.out.find(two_turn_transcript({})), std::string::npos)
+      << "expected\n" << two_turn_transcript({}) << "\nin\n" << r.out;
 }
 
 // Commands and blank lines never reach the model; /set changes the next reply's sampling; /reset starts over.
