@@ -49,7 +49,8 @@ inline constexpr std::string_view kWebPage = R"PPHTML(<!doctype html>
   table { border-collapse: collapse; width: 100%; font-size: .85rem; font-variant-numeric: tabular-nums; }
   th, td { text-align: left; padding: .2rem .3rem; border-bottom: 1px solid var(--line); vertical-align: top; }
   th { white-space: nowrap; }
-  td { overflow-wrap: anywhere; }
+  td { white-space: nowrap; }
+  .scroll { overflow-x: auto; }
   td.down { color: var(--bad); }
   @media (max-width: 800px) { body { grid-template-columns: 1fr; height: auto; } main { height: 80vh; } }
 </style>
@@ -75,10 +76,10 @@ inline constexpr std::string_view kWebPage = R"PPHTML(<!doctype html>
   </fieldset>
   <h2>Pipeline</h2>
   <div id="summary">&hellip;</div>
-  <table>
+  <div class="scroll"><table>
     <thead><tr><th>stage</th><th>host</th><th>layers</th><th>kernels</th><th>ms/batch</th><th>rows/s</th><th>sessions</th></tr></thead>
     <tbody id="stages"></tbody>
-  </table>
+  </table></div>
 </aside>
 <script>
 "use strict";
