@@ -205,7 +205,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   writer.join();
   reader.join();
   const std::string st = w.status_text();
-  if (!st.starts_with("sessions_active=0\n") || st.find("mux_sessions_active=0\n") == std::string::npos)
+  if (!st.starts_with("connections_active=0\n") || st.find("\nsessions_active=0\n") == std::string::npos)
     fail("a session outlived its connection", st);
   return 0;
 }
