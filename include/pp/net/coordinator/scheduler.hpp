@@ -794,8 +794,7 @@ class Coordinator {
     h.seq = next_seq_++;
     h.rows = uint32_t(rows);
     fl.sent = t1;
-    const std::vector<BatchEntry> wire = fl.wire;
-    in_flight_.emplace(h.seq, std::move(fl));
+    const std::vector<BatchEntry>& wire = in_flight_.emplace(h.seq, std::move(fl)).first->second.wire;
     if (local()) {
       head_and_sample(h, wire, run);
       std::lock_guard lock(metrics_mu_);
@@ -830,14 +829,14 @@ class Coordinator {
     }
     logits_.resize(n * V);
     stage_->head(*run[0].seq, last_.data(), n, logits_.data());
-    std::vector<int32_t> tokens(n);
+    tokens_.resize(n);
     for (std::size_t i = 0; i < n; ++i)
-      tokens[i] = sampler_.sample(std::span<const float>(logits_.data() + i * V, V),
+      tokens_[i] = sampler_.sample(std::span<const float>(logits_.data() + i * V, V),
                                   sessions_.at(wire[i].session).params.sampling, int64_t(wire[i].pos + wire[i].rows));
     ModelHeader r = batch;
     r.type = kTypeBatchRes;
     r.rows = uint32_t(n);
-    answer_locally(ChainReply{r, encode_batch_res(wire, tokens, logits_, uint32_t(V))});
+    answer_locally(ChainReply{r, encode_batch_res(wire, tokens_, logits_, uint32_t(V))});
   }
 
   void answer_locally(ChainReply r) {
@@ -997,6 +996,7 @@ class Coordinator {
   // Without a chain: the last row of each entry, their logits, the sampler.
   Buffer<float> last_;
   std::vector<float> logits_;
+  std::vector<int32_t> tokens_;
   Sampler sampler_;
 
   struct Counters : CoordinatorMetrics {
