@@ -31,7 +31,7 @@ median() { sort -g | awk '{a[NR]=$1} END {print (NR%2) ? a[(NR+1)/2] : (a[NR/2]+
 single=() pipe=() pre_single=() pre_pipe=()
 for r in $(seq "$runs"); do
   # pp_generate: "prefill P tokens X tok/s | decode D tokens Y tok/s"
-  line=$("$gen" -m "$model" --prompt-ids "$ids" -n "$n" -t "$threads" 2>&1 >/dev/null | grep 'decode')
+  line=$("$gen" -m "$model" --prompt-ids "$ids" -n "$n" -t "$threads" --ignore-eos 2>&1 >/dev/null | grep 'decode')
   single+=("$(echo "$line" | sed -E 's/.*decode [0-9]+ tokens ([0-9.]+) tok\/s.*/\1/' | awk '{print 1000/$1}')")
   pre_single+=("$(echo "$line" | sed -E 's/.*prefill [0-9]+ tokens ([0-9.]+) tok\/s.*/\1/')")
   out=$("$node" --coordinator "127.0.0.1:$port" --model "$model" --prompt-ids "$ids" --tokens "$n" --ignore-eos \

@@ -1,4 +1,4 @@
-// pp_generate: the single-process generator — prompt ids in, greedy (or seeded sampled) tokens out.
+// pp_generate: the single-process generator — a prompt in, greedy (or sampled) text or token ids out.
 //
 // With --cuts it runs the model as chained stages with the residual rounded to --wire at each cut: the
 // exact single-process reference for a distributed pipeline. --logits-out writes the golden JSON format
@@ -11,6 +11,8 @@
 
 #include <CLI/CLI.hpp>
 #include "common/build_info.hpp"
+#include "common/cli.hpp"
+#include "common/terminal_text.hpp"
 #include <nlohmann/json.hpp>
 
 #include <chrono>
@@ -19,6 +21,8 @@
 #include <iostream>
 #include <optional>
 #include <sstream>
+
+#include <unistd.h>
 
 namespace {
 
@@ -34,10 +38,10 @@ std::vector<int32_t> parse_ids(const std::string& s) {
     } catch (...) {
     }
     if (used != item.size() || v < 0 || v > INT32_MAX)
-      throw pp::Error("--prompt-ids: '" + item + "' is not a non-negative token id");
+      throw pp::RequestError("--prompt-ids: '" + item + "' is not a non-negative token id");
     out.push_back(int32_t(v));
   }
-  if (out.empty()) throw pp::Error("--prompt-ids: no ids given");
+  if (out.empty()) throw pp::RequestError("--prompt-ids: no ids given");
   return out;
 }
 
@@ -50,73 +54,84 @@ nlohmann::json rows_json(const std::vector<float>& v, std::size_t n, std::size_t
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"pp_generate: run a Llama GGUF in one process (optionally as chained stages)"};
+  using pp::tools::kExitFailed;
+  using pp::tools::kExitUsage;
+  CLI::App app{"pp_generate: run a Llama GGUF in one process (optionally as chained stages).\n"
+               "The generated text alone goes to stdout (the token ids with --ids); everything else to stderr."};
+  app.footer(std::string(pp::tools::kExitFooter) + "\nEnvironment: PP_THREADS (--threads), PP_CTX (--ctx), PP_EXACT_FLOAT=1 "
+             "(--exact-float), PP_NO_AMX=1 (no AMX tiles); Ollama tags are looked up in $OLLAMA_MODELS or ~/.ollama/models.");
   app.set_version_flag("--version", [] { return pp::tools::version_line("pp_generate"); });
   std::string model, ids_arg, prompt_text, logits_out, wire = "f32";
-  bool stop_at_eog = false, no_bos = false;
+  bool ignore_eos = false, no_bos = false, print_ids = false;
   std::vector<int> cuts;
-  int n_tokens = 16;
+  int64_t n_tokens = 16;
   unsigned threads = 0;
   std::size_t ctx = 0;
-  pp::SamplingParams sp;
-  double temperature = 0, top_p = 0, min_p = -1;
-  int64_t top_k = 0;
-  app.add_option("-m,--model", model, "GGUF file or Ollama tag (e.g. llama3.2:1b, from OLLAMA_MODELS or ~/.ollama/models)")
-      ->required()
-      ->type_name("PATH|TAG");
+  pp::tools::SamplingFlags sampling;
+  pp::tools::add_model_flag(app, model, "GGUF file or Ollama tag (e.g. llama3.2:1b, from OLLAMA_MODELS or ~/.ollama/models)");
   auto* ids_opt = app.add_option("--prompt-ids", ids_arg, "prompt token ids, comma-separated (e.g. 496,198,303)");
   auto* text_opt = app.add_option("-p,--prompt", prompt_text, "prompt text (tokenized with the model's tokenizer)");
   ids_opt->excludes(text_opt);
   app.add_flag("--no-bos", no_bos, "with --prompt: do not add BOS even if the model asks for it");
-  app.add_flag("--stop-at-eog", stop_at_eog, "stop at an end-of-generation token (eos/eot/eom)");
-  app.add_option("-n,--tokens", n_tokens, "tokens to generate")->check(CLI::Range(0, 1 << 20));
+  app.add_flag("--ignore-eos", ignore_eos, "keep generating past end-of-generation tokens (eos/eot/eom stop by default)");
+  pp::tools::add_tokens_flag(app, n_tokens, "tokens to generate")->capture_default_str();
+  app.add_flag("--ids", print_ids, "print the generated token ids on stdout instead of the text");
   app.add_option("--cuts", cuts, "simulate a split: block indices where stages begin (e.g. --cuts 8 or 4,8,12)")
       ->delimiter(',');
   app.add_option("--wire", wire, "residual dtype at each cut: f32, bf16 (pp_worker's wire) or f16")
       ->check(CLI::IsMember({"f32", "bf16", "f16"}));
-  app.add_option("-t,--threads", threads, "compute threads (0 = all cores)");
+  pp::tools::add_threads_flag(app, threads, "compute threads (0 = all cores)");
   bool exact_float = false;
   app.add_flag("--exact-float", exact_float, pp::tools::kExactFloatHelp);
-  app.add_option("--ctx", ctx, "KV capacity in positions (0 = min(4096, model context))");
-  app.add_option("--temperature", temperature, "sample with this temperature (> 0) instead of argmax");
-  app.add_option("--top-k", top_k, "keep the k most likely tokens (>= 1)");
-  app.add_option("--top-p", top_p, "keep the smallest set with probability >= p, (0, 1]");
-  app.add_option("--min-p", min_p, "drop tokens below min_p x the top probability, [0, 1)");
-  app.add_option("--seed", sp.seed, "sampling seed (the draw depends only on seed and position)");
+  app.add_option("--ctx", ctx, "KV capacity in positions (0 = min(4096, model context))")->envname("PP_CTX");
+  sampling.add_to(app);
   app.add_option("--logits-out", logits_out, "write prompt and per-step logits as golden JSON");
-  CLI11_PARSE(app, argc, argv);
+  if (const auto code = pp::tools::parse_command_line(app, argc, argv, "pp_generate")) return *code;
+  if (model.empty()) {  // checked after parsing, so an unknown flag is reported as such first
+    std::fprintf(stderr, "pp_generate: error: give a model: -m PATH|TAG (see --help)\n");
+    return kExitUsage;
+  }
   pp::tools::set_exact_float(exact_float);
 
+  const auto fail = [](const std::exception& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "pp_generate: %s\n", e.what());
+    return pp::tools::is_input_error(e) ? kExitUsage : kExitFailed;
+  };
   try {
-    if (app.count("--temperature")) sp.temperature = temperature;
-    if (app.count("--top-k")) sp.top_k = top_k;
-    if (app.count("--top-p")) sp.top_p = top_p;
-    if (app.count("--min-p")) sp.min_p = min_p;
-    sp.validate();
-    if (ids_arg.empty() && prompt_text.empty()) throw pp::Error("give a prompt: --prompt TEXT or --prompt-ids IDS");
+    const pp::SamplingParams sp = sampling.params();
+    if (ids_arg.empty() && prompt_text.empty()) throw pp::RequestError("give a prompt: --prompt TEXT or --prompt-ids IDS");
     const auto t_load = std::chrono::steady_clock::now();
     const pp::ResolvedModel resolved = pp::resolve_model(model);
     if (resolved.how == "ollama") std::fprintf(stderr, "model: %s -> %s\n", model.c_str(), resolved.path.c_str());
     pp::LocalPipeline pipe(resolved.path, cuts, pp::parse_wire_dtype(wire), {.ctx = ctx, .threads = threads});
-    // The tokenizer is optional for id prompts (a model without one still runs).
+    if (const std::string w = pipe.model().ctx_warning(pipe.stage(0).ctx()); !w.empty())
+      std::fprintf(stderr, "pp_generate: warning: %s\n", w.c_str());
+    if (const std::string note = sampling.seed_note(); !note.empty()) std::fprintf(stderr, "%s\n", note.c_str());
+    // The tokenizer is optional for id prompts (a model without one still runs, printing ids).
     const pp::Tokenizer* tok = pipe.model().tokenizer();
-    if (!tok && !prompt_text.empty()) throw pp::Error(pipe.model().tokenizer_error());
+    if (!tok && !prompt_text.empty()) throw pp::TokenizerError(pipe.model().tokenizer_error());
     const std::vector<int32_t> prompt =
         prompt_text.empty() ? parse_ids(ids_arg) : tok->encode(prompt_text, tok->add_bos() && !no_bos);
-    if (prompt.empty()) throw pp::Error("the prompt has no tokens");
+    if (prompt.empty()) throw pp::RequestError("the prompt has no tokens");
     const pp::Config& c = pipe.config();
     const std::size_t V = c.n_vocab, n = prompt.size();
     if (n + std::size_t(n_tokens) > pipe.stage(0).ctx())
-      throw pp::Error("prompt (" + std::to_string(n) + ") + tokens (" + std::to_string(n_tokens) +
-                      ") exceed the KV capacity " + std::to_string(pipe.stage(0).ctx()) + " (use --ctx)");
+      throw pp::RequestError("prompt (" + std::to_string(n) + ") + tokens (" + std::to_string(n_tokens) +
+                             ") exceed the KV capacity " + std::to_string(pipe.stage(0).ctx()) + " (use --ctx)");
     const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
 
     const bool all_rows = !logits_out.empty();
     std::vector<float> prompt_logits, step_logits;
     std::optional<pp::StreamDecoder> text;
-    if (tok && !all_rows) text.emplace(*tok);
-    pp::Generation gen(pipe, {.sampling = sp, .max_tokens = std::size_t(std::max(0, n_tokens)),
-                              .stop_at_eog = stop_at_eog ? tok : nullptr});
+    if (tok && !print_ids) text.emplace(*tok);
+    // On a terminal the model's text cannot move the cursor or start an escape sequence (shown, not obeyed).
+    const bool on_terminal = ::isatty(STDOUT_FILENO) == 1;
+    const auto put = [on_terminal](const std::string& piece) {
+      std::fputs(on_terminal ? pp::tools::visible_controls(piece).c_str() : piece.c_str(), stdout);
+    };
+    pp::Generation gen(pipe, {.sampling = sp, .max_tokens = std::size_t(n_tokens),
+                              .stop_at_eog = ignore_eos ? nullptr : tok});
 
     const auto t0 = std::chrono::steady_clock::now();
     gen.prefill(prompt, all_rows ? &prompt_logits : nullptr);
@@ -124,23 +139,25 @@ int main(int argc, char** argv) {
     while (const std::optional<int32_t> t = gen.step()) {
       if (all_rows) step_logits.insert(step_logits.end(), gen.logits().begin(), gen.logits().end());
       if (text) {
-        std::fputs(text->feed(*t).c_str(), stdout);
-        std::fflush(stdout);
+        if (gen.reason() != pp::StopReason::eog) put(text->feed(*t));  // the end marker is not text
+      } else {
+        std::printf("%s%d", gen.tokens().size() > 1 ? " " : "", *t);
       }
+      std::fflush(stdout);
     }
     const std::vector<int32_t>& out = gen.tokens();
-    if (text) std::printf("%s\n", text->flush().c_str());
+    if (text) put(text->flush());
+    std::fputc('\n', stdout);
+    std::fflush(stdout);
     const auto t2 = std::chrono::steady_clock::now();
 
-    std::cout << "tokens:";
-    for (int32_t t : out) std::cout << ' ' << t;
-    std::cout << '\n';
     const double pre = std::chrono::duration<double>(t1 - t0).count();
     const double dec = std::chrono::duration<double>(t2 - t1).count();
     const int decoded = std::max(0, int(out.size()) - 1);
-    std::fprintf(stderr, "load %.2f s | prefill %zu tokens %.1f tok/s | decode %d tokens %.2f tok/s | %zu stage(s), wire %s, %u threads\n",
+    std::fprintf(stderr, "load %.2f s | prefill %zu tokens %.1f tok/s | decode %d tokens %.2f tok/s | %zu stage(s), wire %s, %u threads%s\n",
                  load_s, n, double(n) / pre, decoded, decoded > 0 ? double(decoded) / dec : 0.0, pipe.n_stages(),
-                 wire.c_str(), pipe.stage(0).threads());
+                 wire.c_str(), pipe.stage(0).threads(),
+                 gen.reason() == pp::StopReason::eog ? " | stopped at end-of-generation" : "");
 
     if (all_rows) {
       nlohmann::json j;
@@ -158,8 +175,7 @@ int main(int argc, char** argv) {
       if (!f) throw pp::Error("cannot write '" + logits_out + "'");
     }
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "pp_generate: %s\n", e.what());
-    return 2;
+    return fail(e);
   }
   return 0;
 }

@@ -1,6 +1,7 @@
 // pp_gguf: inspect GGUF files (`info`: metadata, tensors, per-type totals, what each stage of a split maps).
 //
-// Errors print one line on stderr and exit 2. Unlike the parser, this tool knows Llama's tensor
+// Errors print one line on stderr and exit 2 (a bad command line, or a file it names that cannot be read,
+// parsed or written). Unlike the parser, this tool knows Llama's tensor
 // names: it needs them to say which tensors a pipeline stage would map.
 #include <pp/core/error.hpp>
 #include <pp/core/printable.hpp>
@@ -8,6 +9,7 @@
 #include <pp/io/mmap.hpp>
 
 #include "common/build_info.hpp"
+#include "common/cli.hpp"
 #include "common/synth.hpp"
 
 #include <CLI/CLI.hpp>
@@ -22,7 +24,6 @@
 
 namespace {
 
-constexpr int kExitError = 2;
 constexpr uint64_t kArrayPreview = 5;       // array elements shown per metadata array
 constexpr std::size_t kStringPreview = 96;  // bytes of a string shown before eliding
 
@@ -177,7 +178,7 @@ int run_info(const InfoOptions& opt) {
   const uint64_t total = opt.stages ? block_count(f) : 0;
   const auto plans = opt.stages ? plan_stages(f, opt.stages, total) : std::vector<StagePlan>{};
 
-  std::printf("file: %s (%zu bytes)\n", opt.path.c_str(), file.size());
+  std::printf("file: %s (%zu bytes, %s)\n", opt.path.c_str(), file.size(), pp::format_bytes(file.size()).c_str());
   std::printf("version: %u\nalignment: %u\ndata offset: %" PRIu64 "\n", f.version, f.alignment, f.data_offset);
 
   std::printf("\nmetadata (%zu):\n", f.kv.size());
@@ -239,8 +240,8 @@ int run_synth(const SynthOptions& o) {
   if (s.vocab_from.empty() && s.n_vocab < 272)
     throw pp::Error("--vocab " + std::to_string(s.n_vocab) + " is too small for the byte-level tokenizer (>= 272)");
   const uint64_t bytes = pp::synth::write(s, o.out);
-  std::printf("wrote %s: %zu blocks, hidden %zu, %zu/%zu heads, ff %zu, %s, %.1f MB\n", o.out.c_str(), s.n_layer,
-              s.n_embd, s.n_head, s.n_head_kv, s.n_ff, o.dtype.c_str(), double(bytes) / 1e6);
+  std::printf("wrote %s: %zu blocks, hidden %zu, %zu/%zu heads, ff %zu, %s, %s\n", o.out.c_str(), s.n_layer,
+              s.n_embd, s.n_head, s.n_head_kv, s.n_ff, o.dtype.c_str(), pp::format_bytes(bytes).c_str());
   return 0;
 }
 
@@ -249,11 +250,14 @@ int run_synth(const SynthOptions& o) {
 int main(int argc, char** argv) {
   CLI::App app{"Inspect GGUF files"};
   app.set_version_flag("--version", [] { return pp::tools::version_line("pp_gguf"); });
+  app.footer(pp::tools::kExitFooter);
   app.require_subcommand(1);
 
   InfoOptions info;
   CLI::App* info_cmd = app.add_subcommand("info", "Print metadata, tensors, per-type totals and a stage split");
-  info_cmd->add_option("file", info.path, "GGUF file")->required();
+  CLI::Option* file_pos = info_cmd->add_option("file", info.path, "GGUF file");
+  CLI::Option* file_opt = info_cmd->add_option("-m,--model", info.path, "GGUF file (instead of the positional FILE)");
+  file_pos->excludes(file_opt);
   info_cmd->add_option("--stages", info.stages, "Also show what each stage of an N-way split maps (N >= 2)")
       ->check(CLI::Range(uint64_t(2), uint64_t(1) << 20));
 
@@ -272,21 +276,16 @@ int main(int argc, char** argv) {
   synth_cmd->add_option("--vocab", synth.vocab, "override: vocabulary size (byte-level tokenizer)");
   synth_cmd->add_option("--ctx", synth.ctx, "override: context length");
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::CallForVersion& e) {
-    return app.exit(e);
-  } catch (const CLI::CallForAllHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    // CLI11 reports an unknown subcommand as a missing one; name the word the user typed.
-    if (app.get_subcommands().empty() && argc > 1 && argv[1][0] != '-')
-      std::fprintf(stderr, "pp_gguf: unknown subcommand '%s' (see --help)\n", argv[1]);
-    else
-      std::fprintf(stderr, "pp_gguf: %s (see --help)\n", e.what());
-    return kExitError;
+  // CLI11 reports an unknown subcommand as a missing one; name the word the user typed.
+  if (argc > 1 && argv[1][0] != '-' && std::string_view(argv[1]) != "info" && std::string_view(argv[1]) != "synth") {
+    std::fprintf(stderr, "pp_gguf: error: unknown subcommand '%s' (info or synth) (see --help)\n",
+                 argv[1]);
+    return pp::tools::kExitUsage;
+  }
+  if (const auto code = pp::tools::parse_command_line(app, argc, argv, "pp_gguf")) return *code;
+  if (*info_cmd && info.path.empty()) {
+    std::fprintf(stderr, "pp_gguf: error: info needs a GGUF file (pp_gguf info FILE) (see --help)\n");
+    return pp::tools::kExitUsage;
   }
 
   try {
@@ -295,7 +294,7 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     std::fflush(stdout);
     std::fprintf(stderr, "pp_gguf: %s\n", e.what());
-    return kExitError;
+    return pp::tools::kExitUsage;  // a file it names cannot be read, parsed or written
   }
-  return kExitError;
+  return pp::tools::kExitUsage;
 }

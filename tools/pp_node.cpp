@@ -16,6 +16,7 @@
 #include <CLI/CLI.hpp>
 
 #include "common/build_info.hpp"
+#include "common/cli.hpp"
 #include "node/placeholder_run.hpp"
 #include "node/process.hpp"
 #include "node/prompt_run.hpp"
@@ -24,11 +25,15 @@
 #include "node/worker_run.hpp"
 #include "pp/core/error.hpp"
 #include "pp/io/ollama.hpp"
+#include "pp/model.hpp"
 #include "pp/net/model_worker.hpp"
 #include "pp/net/placeholder.hpp"
 #include "pp/net/socket.hpp"
 
 namespace {
+
+static_assert(pp::node::kExitOk == pp::tools::kExitOk && pp::node::kExitMismatch == pp::tools::kExitFailed &&
+              pp::node::kExitUsage == pp::tools::kExitUsage && pp::node::kExitFailure == pp::tools::kExitPeer);
 
 using pp::net::Millis;
 using pp::node::kExitFailure;
@@ -122,9 +127,7 @@ struct Cli {
   std::optional<std::string> prompt;
   std::string prompt_ids;
   std::string verify = "probe";
-  std::optional<double> temperature, top_p, min_p;
-  std::optional<int64_t> top_k;
-  uint64_t seed = 0;
+  pp::tools::SamplingFlags sampling;
   bool ignore_eos = false;
   bool mapped = false;
   unsigned threads = 0;
@@ -246,6 +249,10 @@ int run_model(const Cli& c, const pp::net::ServerOptions& options, Millis timeou
   }
   const pp::ResolvedModel model = pp::resolve_model(c.model);
   if (model.how == "ollama") std::cout << "model: " << c.model << " -> " << model.path << std::endl;
+  if (const int64_t asked = c.worker ? c.max_ctx : c.ctx; asked > 0) {  // header only: no weight is read
+    if (const std::string w = pp::Model::open(model.path)->ctx_warning(std::size_t(asked)); !w.empty())
+      std::cerr << "pp_node: warning: " << (c.worker ? "--max-ctx: " : "--ctx: ") << w << std::endl;
+  }
 
   pp::net::ModelWorkerOptions wopt;
   wopt.path = model.path;
@@ -271,16 +278,13 @@ int run_model(const Cli& c, const pp::net::ServerOptions& options, Millis timeou
   run.verify = c.no_verify || c.verify == "none" ? pp::node::Verify::none
                : c.verify == "all"               ? pp::node::Verify::all
                                                  : pp::node::Verify::probe;
-  run.sampling.temperature = c.temperature;
-  run.sampling.top_k = c.top_k;
-  run.sampling.top_p = c.top_p;
-  run.sampling.min_p = c.min_p;
-  run.sampling.seed = c.seed;
+  pp::tools::SamplingFlags sampling = c.sampling;
   try {
-    run.sampling.validate();
+    run.sampling = sampling.params();
   } catch (const pp::RequestError& e) {
     throw UsageError{e.what()};
   }
+  if (const std::string note = sampling.seed_note(); !note.empty()) std::cerr << "pp_node: " << note << std::endl;
   run.ignore_eos = c.ignore_eos;
   run.threads = c.threads;
   run.residency = wopt.residency;
@@ -358,7 +362,11 @@ int main(int argc, char** argv) {
   CLI::App app{"pp_node: a forward pass split at layer boundaries across machines over TCP.\n"
                "With --model it runs the real model (workers get their layer range in the handshake);\n"
                "without it, the placeholder transform, which proves the transport."};
-  app.footer("Exit status: 0 ok, 1 byte-identity mismatch, 2 usage error, 3 peer or transport failure.\n"
+  app.footer(std::string(pp::tools::kExitFooter) +
+             " The run fails (1) when byte-identity does not hold.\n"
+             "Environment: PP_THREADS (--threads), PP_CTX (--ctx), PP_NODE_PSK (--psk-file), PP_EXACT_FLOAT=1 "
+             "(--exact-float), PP_NO_AMX=1 (no AMX tiles); Ollama tags are looked up in $OLLAMA_MODELS or "
+             "~/.ollama/models.\n"
              "SIGINT/SIGTERM: a --prompt run ends after the token in flight and reports the tokens generated.");
   app.set_version_flag("--version", [] { return pp::tools::version_line("pp_node"); });
   Cli c;
@@ -379,7 +387,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--layers", c.layers, "placeholder: total layers (with --model: the model's)")->capture_default_str();
   auto* cut_opt = app.add_option("--cut", c.cut, "stage boundary layer, 0 < cut < layers")->capture_default_str();
-  app.add_option("--tokens", c.tokens, "tokens to stream")->capture_default_str();
+  pp::tools::add_tokens_flag(app, c.tokens, "tokens to generate (placeholder: to stream)", UINT32_MAX)->capture_default_str();
   app.add_flag("--no-verify", c.no_verify, "coordinator does not compute ground truth");
   app.add_option("--max-payload", c.max_payload, "largest frame payload accepted, bytes")->capture_default_str();
   app.add_option("--max-layer-range", c.max_layer_range, "longest layer range a FWD may ask for")
@@ -393,30 +401,26 @@ int main(int argc, char** argv) {
                  "worker: seconds a connection may sit between frames (0 = never)")
       ->capture_default_str();
   // Real model.
-  app.add_option("--model", c.model, "GGUF file or Ollama tag: run the real model")->type_name("PATH|TAG");
+  pp::tools::add_model_flag(app, c.model, "GGUF file or Ollama tag: run the real model");
   app.add_option("--cuts", c.cuts_arg,
                  "with --model: stage boundaries C1,C2,... (one per worker; default even), or auto (--serve, "
                  "--chat: time every stage and split in proportion)");
-  app.add_option("--prompt", c.prompt, "with --model: prompt text (default 'The capital of France is')");
+  app.add_option("-p,--prompt", c.prompt, "with --model: prompt text (default 'The capital of France is')");
   app.add_option("--prompt-ids", c.prompt_ids, "with --model: prompt token ids, comma-separated");
   app.add_option("--verify", c.verify,
                  "with --model: probe (first 4 tokens against this process), all (every token), none")
       ->check(CLI::IsMember({"probe", "all", "none"}))
       ->capture_default_str();
-  app.add_option("--temperature", c.temperature, "sample at this temperature (> 0) instead of argmax");
-  app.add_option("--top-k", c.top_k, "sample from the k most likely tokens");
-  app.add_option("--top-p", c.top_p, "sample from the smallest set with probability >= p");
-  app.add_option("--min-p", c.min_p, "drop tokens below min_p x the top probability");
-  app.add_option("--seed", c.seed, "sampling seed (the draw depends only on seed and position)")
-      ->capture_default_str();
+  c.sampling.add_to(app);
   app.add_flag("--ignore-eos", c.ignore_eos, "keep generating past end-of-generation tokens");
-  app.add_option("--threads", c.threads, "compute threads per stage (0 = all cores)")->capture_default_str();
+  pp::tools::add_threads_flag(app, c.threads, "compute threads per stage (0 = all cores)")->capture_default_str();
   bool exact_float = false;
   app.add_flag("--exact-float", exact_float, pp::tools::kExactFloatHelp);
   app.add_flag("--mapped", c.mapped,
                "use the weights from the file mapping (shared page cache) instead of copying them into "
                "anonymous huge-page memory (the default: faster decode)");
   app.add_option("--ctx", c.ctx, "coordinator: KV capacity of every stage (0 = min(4096, model context))")
+      ->envname("PP_CTX")
       ->capture_default_str();
   app.add_option("--max-ctx", c.max_ctx, "worker: largest KV capacity a session may ask for (0 = min(4096, model))")
       ->capture_default_str();
@@ -458,19 +462,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--system", c.system_prompt, "--chat: a system message");
   auto* tokens_opt = app.get_option("--tokens");
-  try {
-    app.parse(argc, argv);
-    c.cut_given = cut_opt->count() > 0;
-    c.tokens_given = tokens_opt->count() > 0;
-    pp::tools::set_exact_float(exact_float);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::CallForVersion& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    app.exit(e);
-    return kExitUsage;
-  }
+  if (const auto code = pp::tools::parse_command_line(app, argc, argv, "pp_node")) return *code;
+  c.cut_given = cut_opt->count() > 0;
+  c.tokens_given = tokens_opt->count() > 0;
+  pp::tools::set_exact_float(exact_float);
 
   const char* role = c.selftest ? "selftest" : c.worker ? "worker" : "coordinator";
   try {
@@ -478,11 +473,12 @@ int main(int argc, char** argv) {
     if (!c.cuts_auto) c.cuts = parse_cuts(c.cuts_arg);
     return run(c);
   } catch (const UsageError& e) {
-    std::cerr << "pp_node: error: " << e.message << "\nRun with --help for more information." << std::endl;
+    std::cerr << "pp_node: error: " << e.message << " (see --help)" << std::endl;
     return kExitUsage;
   } catch (const std::exception& e) {
     std::cout.flush();
     std::cerr << "pp_node " << role << ": " << e.what() << std::endl;
-    return kExitFailure;
+    // A model or prompt this process cannot use cannot start (2); what fails later is a peer or the link.
+    return pp::tools::is_input_error(e) ? kExitUsage : kExitFailure;
   }
 }

@@ -1,5 +1,6 @@
 // pp_worker: one pipeline stage served as JSON lines over stdin/stdout (docs/PROTOCOL-WORKER.md).
 #include "common/build_info.hpp"
+#include "common/cli.hpp"
 #include "worker/backend.hpp"
 #include "worker/events.hpp"
 #include "worker/line_io.hpp"
@@ -29,7 +30,6 @@ namespace {
 using namespace pp::worker;
 
 constexpr int kExitFatal = 1;
-constexpr const char* kVersion = "0.1.0";
 
 void say(const std::string& line) {
   const std::string text = "pp_worker: " + line + "\n";
@@ -92,7 +92,7 @@ int serve_with(const WorkerConfig& cfg, LineWriter& out, Events& events) {
                            {"num_stages", cfg.num_stages},
                            {"mode", cfg.stub ? "stub" : "real"},
                            {"wire_dtype", wire_dtype_name(cfg.wire_dtype)},
-                           {"version", kVersion}});
+                           {"version", PP_VERSION}});
 
   const auto t0 = std::chrono::steady_clock::now();
   std::unique_ptr<Backend> backend;
@@ -108,6 +108,7 @@ int serve_with(const WorkerConfig& cfg, LineWriter& out, Events& events) {
   loaded["resident_mb"] = resident_mb();
   loaded["layer_range"] = {geo.layer_range.lo, geo.layer_range.hi};
   events.emit("model_loaded", loaded);
+  if (const auto w = loaded.find("ctx_warning"); w != loaded.end()) events.emit("warning", {{"what", *w}});
 
   ServeStats stats;
   Server server(*backend, cfg, out, events, stats);
@@ -140,25 +141,24 @@ int main(int argc, char** argv) {
   std::set_terminate(on_terminate);
   CliOptions cli;
   CLI::App app{"pp_worker: one Llama-3.2 pipeline stage over stdin/stdout JSON lines.\n"
-               "Environment: STAGE, NUM_STAGES (required), MODEL, PP_WORKER_STUB, PP_CTX, PP_THREADS,\n"
-               "PP_WIRE_DTYPE, PP_WORKER_EVENTS, PP_HEARTBEAT_SECS (see docs/PROTOCOL-WORKER.md)."};
-  std::string model, ctx;
+               "Environment: STAGE, NUM_STAGES (required), MODEL (--model), PP_CTX (--ctx), PP_THREADS (--threads),\n"
+               "PP_WORKER_STUB (--stub), PP_WIRE_DTYPE, PP_WORKER_EVENTS, PP_HEARTBEAT_SECS, PP_EXACT_FLOAT,\n"
+               "PP_NO_AMX (see docs/PROTOCOL-WORKER.md). A flag wins over its variable."};
+  app.footer(std::string(pp::tools::kExitFooter) + " pp_worker exits 2 for a bad variable or a model it cannot load, "
+             "1 when its output closes or an internal error ends it.");
+  std::string model, ctx, threads;
   app.set_version_flag("--version", [] { return pp::tools::version_line("pp_worker"); });
   app.add_flag("--stub", cli.stub, "stub mode: no model, deterministic stand-ins (also PP_WORKER_STUB=1)");
-  CLI::Option* model_opt = app.add_option("--model", model, "GGUF path or Ollama tag (default: $MODEL)");
-  CLI::Option* ctx_opt = app.add_option("--ctx", ctx, "KV capacity in positions (default: $PP_CTX or min(4096, model))");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::CallForVersion& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    say(std::string("bad command line: ") + e.what());
-    return kExitStartup;
-  }
+  CLI::Option* model_opt = app.add_option("-m,--model", model, "GGUF path or Ollama tag (default: $MODEL)")->type_name("PATH|TAG");
+  CLI::Option* threads_opt =
+      app.add_option("-t,--threads", threads, "compute threads (default: $PP_THREADS or 0 = every core)")->type_name("N");
+  CLI::Option* ctx_opt =
+      app.add_option("--ctx", ctx, "KV capacity in positions (default: $PP_CTX or min(4096, model))")->type_name("N");
+  if (const auto code = pp::tools::parse_command_line(app, argc, argv, "pp_worker")) return *code;
+  static_assert(kExitStartup == pp::tools::kExitUsage && kExitFatal == pp::tools::kExitFailed);
   if (model_opt->count()) cli.model = model;
   if (ctx_opt->count()) cli.ctx = ctx;
+  if (threads_opt->count()) cli.threads = threads;
 
   WorkerConfig cfg;
   try {

@@ -29,7 +29,7 @@ class LocalPipeline {
     for (std::size_t i = 0; i <= cuts.size(); ++i) {
       const int hi = i < cuts.size() ? cuts[i] : n_layer;
       if (hi <= lo || hi > n_layer)
-        throw Error("cuts must be strictly increasing within (0, " + std::to_string(n_layer) + ")");
+        throw RequestError("cuts must be strictly increasing within (0, " + std::to_string(n_layer) + ")");
       stages_.push_back(std::make_unique<Stage>(model, LayerRange{lo, hi}, opt));
       seqs_.push_back(stages_.back()->new_sequence());
       lo = hi;

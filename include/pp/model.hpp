@@ -42,6 +42,14 @@ class Model {
   const gguf::File& gguf() const { return gguf_; }
   const Config& config() const { return cfg_; }
   std::size_t default_ctx() const { return std::min(kDefaultCtxCap, cfg_.ctx_len); }
+  // Empty when a KV capacity of `ctx` positions is within the trained context; otherwise the warning a tool
+  // prints (positions past the trained context run, but the model never saw them: its output degrades).
+  std::string ctx_warning(std::size_t ctx) const {
+    if (ctx <= cfg_.ctx_len) return {};
+    return "KV capacity " + std::to_string(ctx) + " is above the model's trained context of " +
+           std::to_string(cfg_.ctx_len) + " positions: past position " + std::to_string(cfg_.ctx_len) +
+           " the output degrades";
+  }
 
   // The file's tokenizer, built on the first call (its views point into the mapping); null when the file
   // has none or it is refused, and then tokenizer_error() says why.

@@ -64,7 +64,7 @@ TEST(Generate, Bf16SimulatedSplitEqualsHandChainedStages) {
       if (!cs.empty()) cs += ',';
       cs += std::to_string(c);
     }
-    ASSERT_EQ(0, run_generate({"-m", tiny(), "--prompt-ids", "496,198,303,365,321,74,280", "-n", "6", "--wire", "bf16",
+    ASSERT_EQ(0, run_generate({"-m", tiny(), "--prompt-ids", "496,198,303,365,321,74,280", "-n", "6", "--ignore-eos", "--wire", "bf16",
                                "--cuts", cs, "--logits-out", out.string()}));
     const auto j = pp::test::load_json(out);
     std::vector<int32_t> greedy;
@@ -82,15 +82,18 @@ TEST(Generate, Bf16SimulatedSplitEqualsHandChainedStages) {
 
 TEST(Generate, UnsplitGreedyMatchesGoldenAndBadArgumentsAreRefused) {
   const auto out = std::filesystem::temp_directory_path() / ("pp_gen2_" + std::to_string(getpid()) + ".json");
-  ASSERT_EQ(0, run_generate({"-m", tiny(), "--prompt-ids", "496,198,303,365,321,74,280", "-n", "16", "--logits-out", out.string()}));
+  ASSERT_EQ(0, run_generate({"-m", tiny(), "--prompt-ids", "496,198,303,365,321,74,280", "-n", "16", "--ignore-eos", "--logits-out",
+                            out.string()}));
   const auto ref = pp::test::load_json(pp::test::data_dir() / "golden-tiny" / "golden-tiny-bf16.p7.exact.json");
   EXPECT_EQ(pp::test::load_json(out)["greedy"], ref["greedy"]);
   std::filesystem::remove(out);
-  EXPECT_NE(0, run_generate({"-m", tiny(), "--prompt-ids", "1,x"}));
-  EXPECT_NE(0, run_generate({"-m", tiny(), "--prompt-ids", "99999"}));   // outside the vocabulary
-  EXPECT_NE(0, run_generate({"-m", "/nonexistent.gguf", "--prompt-ids", "1"}));
-  EXPECT_NE(0, run_generate({"-m", tiny(), "--prompt-ids", "1", "--cuts", "4"}));  // cut at the last block
-  EXPECT_NE(0, run_generate({"-m", tiny(), "--prompt-ids", "1", "--temperature", "0"}));
+  // Each cannot start: exit 2.
+  EXPECT_EQ(2, run_generate({"-m", tiny(), "--prompt-ids", "1,x"}));
+  EXPECT_EQ(2, run_generate({"-m", tiny(), "--prompt-ids", "99999"}));   // outside the vocabulary
+  EXPECT_EQ(2, run_generate({"-m", "/nonexistent.gguf", "--prompt-ids", "1"}));
+  EXPECT_EQ(2, run_generate({"-m", tiny(), "--prompt-ids", "1", "--cuts", "4"}));  // cut at the last block
+  EXPECT_EQ(2, run_generate({"-m", tiny(), "--prompt-ids", "1", "--temperature", "-1"}));
+  EXPECT_EQ(2, run_generate({"-m", tiny(), "--prompt-ids", "1", "--temperature", "0", "--top-p", "2"}));
 }
 
 }  // namespace

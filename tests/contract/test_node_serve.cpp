@@ -33,7 +33,7 @@
 #include "../common/sse_stream.hpp"
 #include "../common/webdriver.hpp"
 #include "node/chat_template.hpp"
-#include "node/terminal_text.hpp"
+#include "common/terminal_text.hpp"
 #include "node/worker_status.hpp"
 #include "pp/generation.hpp"
 #include "pp/local_pipeline.hpp"
@@ -1177,7 +1177,7 @@ std::size_t count_of(const std::string& text, const std::string& needle) {
 // A reply as the chat prints it: its text with control characters shown, then, when it had `max` tokens
 // (the limit), the cut-off line.
 std::string chat_reply(const std::vector<int32_t>& tokens, std::size_t max) {
-  std::string s = pp::node::visible_controls(text_of(tokens)) + "\n";
+  std::string s = pp::tools::visible_controls(text_of(tokens)) + "\n";
   if (tokens.size() == max) s += "[cut off at " + std::to_string(max) + " tokens: /set tokens N for longer replies]\n";
   return s;
 }
@@ -1394,7 +1394,7 @@ TEST(ServeChat, ReplyCutAtTheLimitIsMarked) {
   const pp::test::RunResult r = pp::test::run_checked({"/bin/sh", "-c", cmd}, 25s);
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   const auto turns = chat_reference({}, "", {"Hello"}, 4);
-  const std::string expect = "> " + pp::node::visible_controls(text_of(turns[0])) +
+  const std::string expect = "> " + pp::tools::visible_controls(text_of(turns[0])) +
                              "\n[cut off at 4 tokens: /set tokens N for longer replies]\n";
   EXPECT_NE(r.out.find(expect), std::string::npos) << "expected\n" << expect << "\nin\n" << r.out;
   EXPECT_NE(r.err.find("(4 tokens, "), std::string::npos) << r.err;

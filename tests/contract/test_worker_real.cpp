@@ -245,7 +245,8 @@ struct GeneratorOutput {
   std::string stderr_text;
 };
 
-// pp_generate's tokens, and with `logits` (--logits-out) the logits behind each; its stderr has the timings.
+// pp_generate's tokens (never stopping early), and with `logits` (--logits-out) the logits behind each; its
+// stderr has the timings.
 GeneratorOutput pp_generate(const std::string& model, const std::vector<int32_t>& prompt, int n_tokens,
                             const std::vector<int32_t>& cuts, const std::string& wire,
                             const std::vector<std::string>& extra = {}, bool logits = true) {
@@ -253,7 +254,7 @@ GeneratorOutput pp_generate(const std::string& model, const std::vector<int32_t>
   const fs::path dir = ::mkdtemp(tmpl);
   const std::string logits_path = (dir / "logits.json").string();
   std::vector<std::string> argv = {bin_from_env("PP_GENERATE_BIN", "pp_generate"), "-m", model, "--prompt-ids",
-                                   join_ids(prompt), "-n", std::to_string(n_tokens)};
+                                   join_ids(prompt), "-n", std::to_string(n_tokens), "--ignore-eos", "--ids"};
   if (logits) argv.insert(argv.end(), {"--logits-out", logits_path});
   if (!cuts.empty()) argv.insert(argv.end(), {"--cuts", join_ids(cuts), "--wire", wire});
   argv.insert(argv.end(), extra.begin(), extra.end());
@@ -268,9 +269,8 @@ GeneratorOutput pp_generate(const std::string& model, const std::vector<int32_t>
     const json j = pp::test::load_json(logits_path);
     g.run.tokens = j.at("greedy").get<std::vector<int32_t>>();
     for (const auto& row : j.at("greedy_logits")) g.run.logits.push_back(row.get<std::vector<float>>());
-  } else {  // the "tokens: a b c" line
-    const std::size_t at = r.out.rfind("tokens:");
-    std::istringstream in(at == std::string::npos ? "" : r.out.substr(at + 7));
+  } else {  // --ids: stdout is the generated ids alone
+    std::istringstream in(r.out);
     for (int32_t t; in >> t;) g.run.tokens.push_back(t);
   }
   fs::remove_all(dir);

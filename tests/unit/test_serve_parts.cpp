@@ -20,7 +20,7 @@
 #include "node/chat_template.hpp"
 #include "node/http_front.hpp"
 #include "node/http_server.hpp"
-#include "node/terminal_text.hpp"
+#include "common/terminal_text.hpp"
 #include "node/cut_plan.hpp"
 #include "node/openai_api.hpp"
 #include "pp/text/stop_strings.hpp"
@@ -631,7 +631,7 @@ TEST(ChatSpecials, EverySpecialTokenInContentStaysText) {
 
 // The terminal chat shows a reply's control characters instead of passing them to the terminal.
 TEST(TerminalText, ControlCharactersAreShownNotObeyed) {
-  using pp::node::visible_controls;
+  using pp::tools::visible_controls;
   EXPECT_EQ(visible_controls("plain\ttext\nnext line, h\xC3\xA9 \xE2\x82\xAC"), "plain\ttext\nnext line, h\xC3\xA9 \xE2\x82\xAC");
   EXPECT_EQ(visible_controls("\x1b[2J\x1b]0;title\x07"), "^[[2J^[]0;title^G");
   EXPECT_EQ(visible_controls(std::string("a\0b\rc\x7f", 6)), "a^@b^Mc^?");

@@ -17,10 +17,12 @@
 
 #include "node/chat_template.hpp"
 #include "node/line_input.hpp"
-#include "node/terminal_text.hpp"
+#include "common/terminal_text.hpp"
 #include "pp/net/coordinator/scheduler.hpp"
 
 namespace pp::node {
+
+using tools::visible_controls;
 
 struct ChatOptions {
   std::string system;           // optional system message

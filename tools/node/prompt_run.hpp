@@ -17,6 +17,7 @@
 #include "node/process.hpp"
 #include "pp/core/error.hpp"
 #include "pp/core/hex.hpp"
+#include "pp/core/printable.hpp"
 #include "pp/local_pipeline.hpp"
 #include "pp/model.hpp"
 #include "pp/net/auth.hpp"
@@ -154,11 +155,11 @@ inline void print_chain(const net::Coordinator& c, const std::string& diff) {
             << " worker(s), model '" << id.file << "' (fingerprint " << id.fingerprint.substr(0, 16) << ", "
             << cfg.n_layer << " layers, hidden " << cfg.n_embd << ", vocab " << cfg.n_vocab << ")\n";
   std::cout << "  stage 0  layers " << range_text(stage.range()) << "  coordinator  " << mine << " x "
-            << stage.threads() << " threads  ctx " << stage.ctx() << "  weights " << stage.bytes_used() << " B\n";
+            << stage.threads() << " threads  ctx " << stage.ctx() << "  weights " << format_bytes(stage.bytes_used()) << "\n";
   for (const net::StageReport& r : c.welcome().stages)
     std::cout << "  stage " << r.stage << "  layers " << range_text(r.range) << "  " << r.where << "  "
               << r.profile.arch << " x " << r.profile.threads << " threads  ctx " << r.ctx << "  weights "
-              << r.bytes_used << " B\n";
+              << format_bytes(r.bytes_used) << "\n";
   if (diff.empty())
     std::cout << "  numeric profiles: " << mine << " kernels on every stage\n";
   else

@@ -24,6 +24,7 @@
 #include "pp/net/coordinator/scheduler.hpp"
 #include "pp/net/model_worker.hpp"
 #include "node/worker_status.hpp"
+#include "pp/core/printable.hpp"
 #include "pp/net/probe.hpp"
 
 namespace pp::node {
@@ -128,7 +129,7 @@ inline void print_stages(const net::Coordinator& e) {
             << mine.threads << " threads\n";
   for (const net::StageReport& r : e.welcome().stages)
     std::cout << "  stage " << r.stage << "  layers " << detail::range_text(r.range) << "  " << r.where << "  "
-              << r.profile.arch << " x " << r.profile.threads << " threads  weights " << r.bytes_used << " B\n";
+              << r.profile.arch << " x " << r.profile.threads << " threads  weights " << format_bytes(r.bytes_used) << "\n";
 }
 
 }  // namespace serve_detail

@@ -107,6 +107,7 @@ class RealBackend final : public Backend {
                {"ctx", stage_->ctx()},
                {"tokenizer", tok_ != nullptr}};
     if (!tok_) report_["tokenizer_error"] = model_->tokenizer_error();
+    if (std::string w = model_->ctx_warning(stage_->ctx()); !w.empty()) report_["ctx_warning"] = std::move(w);
   }
 
   Geometry geometry() const override { return geo_; }

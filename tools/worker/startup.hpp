@@ -34,6 +34,7 @@ struct CliOptions {
   bool stub = false;
   std::optional<std::string> model;
   std::optional<std::string> ctx;
+  std::optional<std::string> threads;
 };
 
 struct WorkerConfig {
@@ -42,7 +43,7 @@ struct WorkerConfig {
   bool stub = false;
   std::optional<std::string> model;  // --model, else $MODEL (real mode)
   std::optional<int64_t> ctx;        // --ctx, else PP_CTX; absent: the backend's default
-  int64_t threads = 0;               // PP_THREADS: compute threads of real mode; 0 = every core
+  int64_t threads = 0;               // --threads, else PP_THREADS: compute threads of real mode; 0 = every core
   WireDType wire_dtype = WireDType::BF16;
   bool events_on_stdout = false;
   int64_t heartbeat_secs = kDefaultHeartbeatSecs;
@@ -167,7 +168,11 @@ inline WorkerConfig read_config(const CliOptions& cli, const EnvLookup& env = []
     c.ctx = detail::bounded_int(*v, "PP_CTX", 1, kMaxCtx);
   }
 
-  if (auto v = detail::optional_env(env, "PP_THREADS")) c.threads = detail::bounded_int(*v, "PP_THREADS", 0, kMaxThreads);
+  if (cli.threads) {
+    c.threads = detail::bounded_int(*cli.threads, "--threads", 0, kMaxThreads);
+  } else if (auto v = detail::optional_env(env, "PP_THREADS")) {
+    c.threads = detail::bounded_int(*v, "PP_THREADS", 0, kMaxThreads);
+  }
 
   if (auto v = detail::optional_env(env, "PP_WIRE_DTYPE")) {
     if (*v == "bf16" || *v == "bfloat16") {

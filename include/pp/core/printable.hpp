@@ -1,7 +1,10 @@
-// Untrusted bytes made safe to print: names from a model file, text from a peer.
+// Text for people: untrusted bytes made safe to print (names from a model file, text from a peer), sizes.
 #pragma once
 
+#include <cinttypes>
 #include <cstddef>
+#include <cstdint>
+#include <cstdio>
 #include <string>
 #include <string_view>
 
@@ -33,6 +36,17 @@ inline std::string printable(std::string_view s, std::size_t max_bytes = 256) {
   }
   if (s.size() > n) out += "... (" + std::to_string(s.size()) + " bytes)";
   return out;
+}
+
+// "812 B", "4.0 KiB", "118.4 MiB", "2.30 GiB".
+inline std::string format_bytes(uint64_t bytes) {
+  char buf[32];
+  const double b = double(bytes);
+  if (bytes < 1024) std::snprintf(buf, sizeof buf, "%" PRIu64 " B", bytes);
+  else if (b < 1024.0 * 1024) std::snprintf(buf, sizeof buf, "%.1f KiB", b / 1024);
+  else if (b < 1024.0 * 1024 * 1024) std::snprintf(buf, sizeof buf, "%.1f MiB", b / (1024.0 * 1024));
+  else std::snprintf(buf, sizeof buf, "%.2f GiB", b / (1024.0 * 1024 * 1024));
+  return buf;
 }
 
 }  // namespace pp

@@ -25,6 +25,7 @@
 #include "pp/core/buffer.hpp"
 #include "pp/core/error.hpp"
 #include "pp/core/hex.hpp"
+#include "pp/core/printable.hpp"
 #include "pp/io/gguf.hpp"
 #include "pp/io/held_file.hpp"
 #include "pp/io/llama_loader.hpp"
@@ -371,7 +372,7 @@ class ModelWorker {
       loaded_ = desc;
     }
     log("loaded layers [" + std::to_string(r.lo) + ", " + std::to_string(r.hi) + ") ctx " + std::to_string(ctx) + ": " +
-        std::to_string(st->bytes_used()) + " bytes of weights, " + std::to_string(st->threads()) + " threads");
+        format_bytes(st->bytes_used()) + " of weights, " + std::to_string(st->threads()) + " threads");
     return st;
   }
 

@@ -4,7 +4,7 @@
 #include <string>
 #include <string_view>
 
-namespace pp::node {
+namespace pp::tools {
 
 // `text` (UTF-8, whole characters) with every C0 control but \n and \t in caret notation (ESC as ^[, CR as
 // ^M), DEL as ^?, and every C1 control (U+0080..U+009F) as U+FFFD: a model's reply cannot move the cursor,
@@ -28,4 +28,4 @@ inline std::string visible_controls(std::string_view text) {
   return out;
 }
 
-}  // namespace pp::node
+}  // namespace pp::tools
