@@ -144,9 +144,9 @@ void check_replies(int fd, uint32_t n_vocab, std::span<const uint8_t> input) {
     const bool known = m.type == net::kTypeErr || (first ? m.type == net::kTypeWelcome
                                                          : (m.type == net::kTypeOpen || m.type == net::kTypeBatchRes ||
                                                             m.type == net::kTypeStatus));
-    if (!known) fail("unexpected reply type", net::mux_type_name(m.type));
+    if (!known) fail("unexpected reply type", net::model_type_name(m.type));
     if (verbose)  // PP_FUZZ_VERBOSE=1: what a seed gets back
-      std::fprintf(stderr, "reply %s seq %u session %llu, %u bytes%s%.*s\n", net::mux_type_name(m.type).c_str(), m.seq,
+      std::fprintf(stderr, "reply %s seq %u session %llu, %u bytes%s%.*s\n", net::model_type_name(m.type).c_str(), m.seq,
                    (unsigned long long)m.session, m.payload_bytes, m.type == net::kTypeErr ? ": " : "",
                    m.type == net::kTypeErr ? int(m.payload_bytes) : 0,
                    reinterpret_cast<const char*>(at.data() + net::kModelHeaderBytes));

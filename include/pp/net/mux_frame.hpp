@@ -50,8 +50,6 @@ struct BatchEntry {
   uint8_t flags = 0;  // kEntryDigest | kEntryLogits
 };
 
-inline std::string mux_type_name(uint8_t type) { return model_type_name(type); }
-
 // u32 n, then the entries: the part of a BATCH payload before the rows.
 inline std::vector<uint8_t> encode_batch_table(std::span<const BatchEntry> entries) {
   std::vector<uint8_t> out(4 + entries.size() * kBatchEntryBytes, 0);

@@ -124,7 +124,7 @@ class MuxConnection {
         return;
       }
       default:
-        fail(m, "unexpected " + mux_type_name(m.type) +
+        fail(m, "unexpected " + model_type_name(m.type) +
                     " on a multiplexed connection (it accepts OPEN, CLOSE, BATCH, STATUS)");
     }
   }
@@ -381,7 +381,7 @@ class MuxConnection {
         const auto t0 = std::chrono::steady_clock::now();
         ModelHeader h = read_extension(down, *fh);
         if (h.type != kTypeBatchRes && h.type != kTypeOpen && h.type != kTypeErr)
-          throw FrameError(who + ": sent " + mux_type_name(h.type) + " (expected BRES, OPEN or ERR)");
+          throw FrameError(who + ": sent " + model_type_name(h.type) + " (expected BRES, OPEN or ERR)");
         if (h.type == kTypeBatchRes) {
           // Exactly the size the BATCH's entries asked for, checked before the payload is read.
           std::lock_guard lock(wait_mu_);
@@ -394,7 +394,7 @@ class MuxConnection {
                              " (token, digest and logits as the BATCH entries' flags ask)");
           bres_bytes_.erase(it);
         } else if (h.payload_bytes > kMaxTextPayload) {
-          throw FrameError(who + ": " + mux_type_name(h.type) + " payload_bytes " + std::to_string(h.payload_bytes) +
+          throw FrameError(who + ": " + model_type_name(h.type) + " payload_bytes " + std::to_string(h.payload_bytes) +
                            " > limit " + std::to_string(kMaxTextPayload));
         }
         payload_.resize(h.payload_bytes);

@@ -137,9 +137,9 @@ inline ProbeReport probe_worker(const Peer& peer, Timeouts t, Millis wait,
     throw Error(who + ": answered PROBE with version " + std::to_string(fh->version) + " " + text);
   }
   const ModelHeader m = read_extension(ch, *fh);
-  const std::string text = read_text(ch, m.payload_bytes, mux_type_name(m.type));
+  const std::string text = read_text(ch, m.payload_bytes, model_type_name(m.type));
   if (m.type == kTypeErr) throw Error(who + " refused PROBE: " + text);
-  if (m.type != kTypeProbe) throw FrameError(who + " answered PROBE with " + mux_type_name(m.type));
+  if (m.type != kTypeProbe) throw FrameError(who + " answered PROBE with " + model_type_name(m.type));
   try {
     return decode_probe(text);
   } catch (const HandshakeError& e) {

@@ -172,7 +172,7 @@ class MuxLink {
         ChainReply r;
         r.h = read_extension(ch, *fh);
         if (r.h.type != kTypeBatchRes && r.h.type != kTypeOpen && r.h.type != kTypeErr && r.h.type != kTypeStatus)
-          throw FrameError(who + ": sent " + mux_type_name(r.h.type) + " on the multiplexed connection");
+          throw FrameError(who + ": sent " + model_type_name(r.h.type) + " on the multiplexed connection");
         if (r.h.type == kTypeBatchRes) {
           std::lock_guard lock(expect_mu_);
           const auto it = expected_.find(r.h.seq);
@@ -184,7 +184,7 @@ class MuxLink {
                              " (what its BATCH's entries ask for)");
           expected_.erase(it);
         } else if (r.h.payload_bytes > kMaxTextPayload) {
-          throw FrameError(who + ": " + mux_type_name(r.h.type) + " payload_bytes " + std::to_string(r.h.payload_bytes) +
+          throw FrameError(who + ": " + model_type_name(r.h.type) + " payload_bytes " + std::to_string(r.h.payload_bytes) +
                            " > limit " + std::to_string(kMaxTextPayload));
         }
         r.payload.resize(r.h.payload_bytes);
