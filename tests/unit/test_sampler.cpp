@@ -177,6 +177,113 @@ TEST(Sampler, DegenerateLogits) {
     }
 }
 
+// The vectorised exponentials of the fast path stay inside the error bounds its margins are derived from
+// (pp::detail::kExpUlps, kExpUlpsD), on this build's architecture (FMA or not): a dense sample of [0, 64].
+TEST(Sampler, ExpErrorBounds) {
+  using namespace pp::detail;
+  constexpr std::size_t W = kSW;
+  alignas(64) float xf[W], wf[W];
+  alignas(64) double xd[W / 2], wd[W / 2];
+  double worst_f = 0, worst_d = 0;
+  const int steps = 2000000 / kScale;
+  for (int i = 0; i < steps; i += int(W)) {
+    for (std::size_t k = 0; k < W; ++k) xf[k] = float(i + int(k)) * (64.f / float(steps)) * (1.f + 1e-7f * float(k));
+    exp_neg<SA>(SF::load_aligned(xf)).store_aligned(wf);
+    for (std::size_t k = 0; k < W; ++k) {
+      const double e = std::exp(-double(xf[k]));
+      if (xf[k] <= kMaxX) worst_f = std::max(worst_f, std::fabs(double(wf[k]) - e) / e);
+    }
+    for (std::size_t k = 0; k < W / 2; ++k) xd[k] = double(i + int(k)) * (64.0 / steps) * (1 + 1e-9 * double(k));
+    exp_neg_d<SA>(SD::load_aligned(xd)).store_aligned(wd);
+    for (std::size_t k = 0; k < W / 2; ++k) {
+      const long double e = std::exp(-static_cast<long double>(xd[k]));
+      worst_d = std::max(worst_d, double(std::fabs(static_cast<long double>(wd[k]) - e) / e));
+    }
+  }
+  EXPECT_LE(worst_f, kExpUlps / 2 * 0x1p-24);  // half the bound the margins use
+  EXPECT_LE(worst_d, kExpUlpsD / 2 * 0x1p-53);
+  // Outside the domain: 0.
+  const float odd[4] = {65.f, INFINITY, NAN, 1e30f};
+  for (const float x : odd) EXPECT_EQ(exp_neg<SA>(SF(x)).get(0), 0.f) << x;
+  EXPECT_EQ(exp_neg<SA>(SF(0.f)).get(0), 1.f);
+  EXPECT_EQ(exp_neg_d<SA>(SD(0.0)).get(0), 1.0);
+}
+
+// Logits placed on the fast path's boundaries: distances from the max at its level-1 thresholds and the
+// head's edge (ln 4096), ulps either side, -0 / +0, -inf mixed in, narrow ranges (the thresholds then
+// split the range), all equal but one, and parameters at their edges (top_k past the vocabulary, top_p 1,
+// min_p 0, tiny and huge temperatures): the reference's token every time.
+TEST(Sampler, AdversarialBoundaries) {
+  std::vector<std::pair<std::string, Logits>> cases;
+  for (const std::size_t V : {64u, 65u, 1000u, 4099u}) {
+    std::mt19937 rng{uint32_t(V)};
+    Logits l(V);
+    const float dist[] = {0.f, 1.f, 2.f, 4.f, 6.f, 8.f, 8.317766f, 10.f, 12.f, 16.f, 45.f, 64.f, 70.f};
+    for (std::size_t i = 0; i < V; ++i) {
+      float d = dist[rng() % std::size(dist)];
+      const int ulps = int(rng() % 5) - 2;
+      for (int k = 0; k < std::abs(ulps); ++k) d = std::nextafter(d, ulps > 0 ? INFINITY : -INFINITY);
+      l[i] = 3.f - d;
+    }
+    for (std::size_t i = 0; i < V; i += 11) l[i] = -INFINITY;
+    l[V / 2] = 3.f;
+    cases.push_back({"thresholds V " + std::to_string(V), l});
+    Logits z(V, -0.f);
+    for (std::size_t i = 0; i < V; i += 2) z[i] = 0.f;
+    z[V - 1] = -INFINITY;
+    cases.push_back({"zeros V " + std::to_string(V), z});
+    Logits narrow(V);
+    for (std::size_t i = 0; i < V; ++i) narrow[i] = 1.f + float(i % 17) * 1e-6f;
+    cases.push_back({"narrow V " + std::to_string(V), narrow});
+    Logits one(V, 2.f);
+    one[V / 3] = 2.5f;
+    cases.push_back({"all equal but one V " + std::to_string(V), one});
+  }
+  const std::optional<double> no;
+  const std::optional<int64_t> nk;
+  std::vector<Chain> cs = chains(4099);
+  cs.push_back({"top_k 1e9", make(no, int64_t(1e9), no, no)});
+  cs.push_back({"top_p 1 min_p 0", make(no, nk, 1.0, 0.0)});
+  cs.push_back({"temp 1e-30", make(1e-30, nk, no, no)});
+  cs.push_back({"temp 1e30", make(1e30, nk, no, no)});
+  cs.push_back({"temp 1e-30 top_p 0.9", make(1e-30, nk, 0.9, no)});
+  cs.push_back({"temp 20 top_p 0.999", make(20.0, nk, 0.999, no)});
+  cs.push_back({"min_p 0.5 top_p 0.3", make(no, nk, 0.3, 0.5)});
+  for (const auto& [name, l] : cases)
+    for (const auto& chain : cs) {
+      pp::Sampler fast;
+      pp::test::ReferenceSampler ref;
+      for (int64_t pos = 0; pos < 300 / kScale; ++pos) {
+        pp::SamplingParams sp = chain.params;
+        sp.seed = uint64_t(pos) * 0x9e3779b97f4a7c15ull + 7;
+        ASSERT_EQ(fast.sample(l, sp, pos), ref.sample(l, sp, pos)) << name << " / " << chain.name << ", pos " << pos;
+      }
+    }
+}
+
+// pp::argmax (vectorised; the reference sampler uses it too) against the scalar definition: the first
+// index of the largest non-NaN logit, 0 when all are NaN; NaNs, ties, -0 / +0 and +-inf in every lane.
+TEST(Sampler, ArgmaxMatchesScalar) {
+  auto scalar = [](const Logits& l) {
+    int32_t best = -1;
+    for (std::size_t i = 0; i < l.size(); ++i)
+      if (!std::isnan(l[i]) && (best < 0 || l[i] > l[std::size_t(best)])) best = int32_t(i);
+    return best < 0 ? 0 : best;
+  };
+  std::mt19937 rng(3);
+  for (std::size_t V : {1u, 2u, 15u, 16u, 17u, 31u, 33u, 100u, 1000u}) {
+    for (int trial = 0; trial < 200; ++trial) {
+      Logits l(V);
+      const float pool[] = {NAN, -INFINITY, INFINITY, 0.f, -0.f, 1.f, 1.f, 2.f, -3.f};
+      for (float& x : l) x = pool[rng() % std::size(pool)];
+      if (trial % 3 == 0)
+        for (float& x : l) x = x == INFINITY ? 5.f : x;
+      if (trial % 7 == 0) l.assign(V, NAN);
+      ASSERT_EQ(pp::argmax(l), scalar(l)) << "V " << V << ", trial " << trial;
+    }
+  }
+}
+
 TEST(Sampler, NeverNaN) {
   Logits l(64, NAN);
   l[5] = 1.f, l[9] = 1.f;

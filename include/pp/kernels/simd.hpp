@@ -64,6 +64,89 @@ inline fbatch<A> fma(const fbatch<A>& a, const fbatch<A>& b, const fbatch<A>& c)
     return xsimd::fma(a, b, c);
 }
 
+// The lanes of a float comparison as bits (lane i -> bit i).
+template <class A>
+inline uint32_t bitmask(const xsimd::batch_bool<float, A>& b) {
+#if XSIMD_WITH_AVX512F
+  if constexpr (std::is_base_of_v<xsimd::avx512f, A>) return uint32_t(__mmask16(b));
+  else
+#endif
+#if XSIMD_WITH_AVX
+  if constexpr (std::is_base_of_v<xsimd::avx, A>) return uint32_t(_mm256_movemask_ps(b));
+  else
+#endif
+    return uint32_t(_mm_movemask_ps(b));
+}
+
+// f's first half of lanes (lo) and second half (hi), widened to f64 (exact).
+template <class A>
+inline void widen(const fbatch<A>& f, xsimd::batch<double, A>& lo, xsimd::batch<double, A>& hi) {
+  using D = xsimd::batch<double, A>;
+#if XSIMD_WITH_AVX512F
+  if constexpr (std::is_base_of_v<xsimd::avx512f, A>) {
+    lo = D(_mm512_cvtps_pd(_mm512_castps512_ps256(f)));
+    hi = D(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1))));
+  } else
+#endif
+#if XSIMD_WITH_AVX
+  if constexpr (std::is_base_of_v<xsimd::avx, A>) {
+    lo = D(_mm256_cvtps_pd(_mm256_castps256_ps128(f)));
+    hi = D(_mm256_cvtps_pd(_mm256_extractf128_ps(f, 1)));
+  } else
+#endif
+  {
+    lo = D(_mm_cvtps_pd(f));
+    hi = D(_mm_cvtps_pd(_mm_movehl_ps(f, f)));
+  }
+}
+
+// The two halves of a float lane mask as the masks of widen()'s lo and hi.
+template <class A>
+inline void widen(const xsimd::batch_bool<float, A>& m, xsimd::batch_bool<double, A>& lo, xsimd::batch_bool<double, A>& hi) {
+  using D = xsimd::batch<double, A>;
+#if XSIMD_WITH_AVX512F
+  if constexpr (std::is_base_of_v<xsimd::avx512f, A>) {
+    const __mmask16 k = m;
+    lo = xsimd::batch_bool<double, A>(__mmask8(k)), hi = xsimd::batch_bool<double, A>(__mmask8(k >> 8));
+  } else
+#endif
+  {
+    D l, h;
+    widen<A>(xsimd::bitwise_cast(m), l, h);  // all-ones lanes widen to NaN, zero lanes to 0
+    lo = l != l, hi = h != h;
+  }
+}
+
+// lo += wl and hi += wh in the lanes where m (a float mask over widen()'s halves: lo, then hi) is set.
+template <class A>
+inline void add_where(const xsimd::batch_bool<float, A>& m, const xsimd::batch<double, A>& wl,
+                      const xsimd::batch<double, A>& wh, xsimd::batch<double, A>& lo, xsimd::batch<double, A>& hi) {
+  using D = xsimd::batch<double, A>;
+#if XSIMD_WITH_AVX512F
+  if constexpr (std::is_base_of_v<xsimd::avx512f, A>) {
+    const __mmask16 k = m;
+    lo = D(_mm512_mask_add_pd(lo, __mmask8(k), lo, wl));
+    hi = D(_mm512_mask_add_pd(hi, __mmask8(k >> 8), hi, wh));
+  } else
+#endif
+  {
+    xsimd::batch_bool<double, A> ml, mh;
+    widen<A>(m, ml, mh);
+    lo += xsimd::select(ml, wl, D(0.0)), hi += xsimd::select(mh, wh, D(0.0));
+  }
+}
+
+// a * b + c in f64 with one rounding (see fma above).
+template <class A>
+inline xsimd::batch<double, A> fma(const xsimd::batch<double, A>& a, const xsimd::batch<double, A>& b,
+                                   const xsimd::batch<double, A>& c) {
+#if XSIMD_WITH_AVX512F
+  if constexpr (std::is_base_of_v<xsimd::avx512f, A>) return xsimd::batch<double, A>(_mm512_fmadd_pd(a, b, c));
+  else
+#endif
+    return xsimd::fma(a, b, c);
+}
+
 // Weight element tags: how a row of stored weights becomes f32 lanes.
 struct F32w {
   using storage = float;
