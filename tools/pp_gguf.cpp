@@ -6,7 +6,10 @@
 #include <pp/core/error.hpp>
 #include <pp/core/printable.hpp>
 #include <pp/io/gguf.hpp>
+#include <pp/io/llama_loader.hpp>
 #include <pp/io/mmap.hpp>
+#include <pp/model.hpp>
+#include <pp/model/kv_cache.hpp>
 
 #include "common/build_info.hpp"
 #include "common/cli.hpp"
@@ -152,10 +155,31 @@ std::vector<StagePlan> plan_stages(const pp::gguf::File& f, uint64_t n, uint64_t
 
 struct InfoOptions {
   std::string path;
-  uint64_t stages = 0;  // 0: no split summary
+  uint64_t stages = 0;    // 0: no split summary
+  uint64_t ctx = 0;       // KV capacity per session for the memory estimate; 0: min(4096, trained context)
+  uint64_t sessions = 1;  // sessions each stage holds at once (pp_node --parallel)
 };
 
-void print_stages(const std::vector<StagePlan>& plans, uint64_t total) {
+// The KV cache a stage holds per block: sessions x KvCache::bytes_per_layer(ctx, kv_dim), from the
+// model's hyperparameters; nullopt (with the reason) when the file does not describe a Llama model.
+struct KvEstimate {
+  uint64_t per_block = 0, ctx = 0, sessions = 0;
+  std::string unknown;  // why there is no estimate
+};
+KvEstimate kv_estimate(const pp::gguf::File& f, const InfoOptions& opt) {
+  KvEstimate e;
+  try {
+    const pp::Config c = pp::llama::read_config(f);
+    e.ctx = opt.ctx ? opt.ctx : std::min<uint64_t>(pp::Model::kDefaultCtxCap, c.ctx_len);
+    e.sessions = opt.sessions;
+    e.per_block = opt.sessions * pp::KvCache::bytes_per_layer(e.ctx, c.kv_dim());
+  } catch (const pp::Error& err) {
+    e.unknown = err.what();
+  }
+  return e;
+}
+
+void print_stages(const std::vector<StagePlan>& plans, uint64_t total, const KvEstimate& kv) {
   const uint64_t n = plans.size();
   std::printf("\nsplit into %" PRIu64 " stages over %" PRIu64 " blocks:\n", n, total);
   for (uint64_t i = 0; i < n; ++i) {
@@ -168,6 +192,15 @@ void print_stages(const std::vector<StagePlan>& plans, uint64_t total) {
     for (const auto* t : p.tensors)
       if (block_of(t->name) < 0) others += " " + pp::printable(t->name);
     std::printf("    outside blocks:%s\n", others.empty() ? " (none)" : others.c_str());
+    if (!kv.unknown.empty()) {
+      std::printf("    memory: weights %s; KV unknown (%s)\n", pp::format_bytes(p.bytes).c_str(),
+                  pp::printable(kv.unknown).c_str());
+      continue;
+    }
+    const uint64_t kv_bytes = (p.end - p.begin) * kv.per_block;
+    std::printf("    memory: weights %s + KV %s (%" PRIu64 " session(s) x ctx %" PRIu64 ") = %s\n",
+                pp::format_bytes(p.bytes).c_str(), pp::format_bytes(kv_bytes).c_str(), kv.sessions, kv.ctx,
+                pp::format_bytes(p.bytes + kv_bytes).c_str());
   }
 }
 
@@ -211,7 +244,7 @@ int run_info(const InfoOptions& opt) {
   for (const auto& [type, tot] : per_type) print_total(type, tot);
   print_total("total", all);
 
-  if (!plans.empty()) print_stages(plans, total);
+  if (!plans.empty()) print_stages(plans, total, kv_estimate(f, opt));
   return 0;
 }
 
@@ -258,8 +291,12 @@ int main(int argc, char** argv) {
   CLI::Option* file_pos = info_cmd->add_option("file", info.path, "GGUF file");
   CLI::Option* file_opt = info_cmd->add_option("-m,--model", info.path, "GGUF file (instead of the positional FILE)");
   file_pos->excludes(file_opt);
-  info_cmd->add_option("--stages", info.stages, "Also show what each stage of an N-way split maps (N >= 2)")
+  info_cmd->add_option("--stages", info.stages, "Also show what each stage of an N-way split maps and the memory it needs (N >= 2)")
       ->check(CLI::Range(uint64_t(2), uint64_t(1) << 20));
+  info_cmd->add_option("--ctx", info.ctx, "with --stages: KV capacity per session (default min(4096, trained context))")
+      ->check(CLI::Range(uint64_t(1), uint64_t(pp::llama::kMaxCtx)));
+  info_cmd->add_option("--sessions", info.sessions, "with --stages: sessions each stage holds (pp_node --parallel)")
+      ->check(CLI::Range(uint64_t(1), uint64_t(4096)));
 
   SynthOptions synth;
   CLI::App* synth_cmd = app.add_subcommand("synth", "Write a synthetic Llama-3.2-layout model with random weights");

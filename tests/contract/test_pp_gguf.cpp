@@ -1,5 +1,7 @@
 // pp_gguf contract: `info` on generated and fixture files (exit 0, expected lines), errors exit 2 with one line.
 #include <pp/io/gguf_writer.hpp>
+#include <pp/model.hpp>
+#include <pp/model/kv_cache.hpp>
 
 #include "../common/node_process.hpp"
 
@@ -124,6 +126,22 @@ TEST(PpGgufInfo, GoldenTinyFixture) {
   EXPECT_THAT(r.out, testing::ContainsRegex("token_embd\\.weight +BF16 +\\[64, 512\\] +65536"));
   EXPECT_THAT(r.out, HasSubstr("stage 0 (first): blocks [0, 2)"));
   EXPECT_THAT(r.out, HasSubstr("stage 1 (last): blocks [2, 4)"));
+  // Per-stage memory: its weights and the KV caches of --sessions sessions at --ctx (default min(4096, trained)).
+  const pp::Config c = pp::Model::open(p.string())->config();
+  const auto kv = [&](uint64_t sessions, uint64_t ctx) {
+    return pp::format_bytes(2 * sessions * pp::KvCache::bytes_per_layer(ctx, c.kv_dim()));  // 2 blocks a stage
+  };
+  EXPECT_THAT(r.out, HasSubstr("+ KV " + kv(1, std::min<uint64_t>(4096, c.ctx_len)) + " (1 session(s) x ctx " +
+                               std::to_string(std::min<uint64_t>(4096, c.ctx_len)) + ") = "));
+  const ToolRun m = pp_gguf({"info", p.string(), "--stages", "2", "--sessions", "8", "--ctx", "1000"});
+  ASSERT_EQ(m.code, 0) << m.err;
+  EXPECT_THAT(m.out, HasSubstr("+ KV " + kv(8, 1000) + " (8 session(s) x ctx 1000) = "));
+  EXPECT_NE(kv(8, 1000), kv(1, 1000));
+  // A file without attention metadata still gets its weights, and says why there is no KV figure.
+  const fs::path u = write_file("nokv.gguf", llama_like(4, false));
+  const ToolRun n = pp_gguf({"info", u.string(), "--stages", "2"});
+  ASSERT_EQ(n.code, 0) << n.err;
+  EXPECT_THAT(n.out, HasSubstr("    memory: weights 8.0 KiB; KV unknown ("));
 }
 
 // Every error: nothing on stdout, exactly one line on stderr naming the problem, exit 2.

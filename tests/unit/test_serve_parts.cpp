@@ -107,7 +107,8 @@ TEST(CutPlan, InProportionToSpeedWithTheOutputOnTheLastStage) {
   // Equal machines: the last stage also runs the output projection (~4 layers' worth), so takes fewer.
   auto p = pp::node::plan_cuts({probe("a", 10, 64), probe("b", 10, 64)}, 16, 8);
   EXPECT_EQ(p.cuts, std::vector<int>{10});
-  EXPECT_FALSE(p.over_memory);
+  EXPECT_EQ(p.weights, (std::vector<uint64_t>{10 * (120ull << 20), 6 * (120ull << 20) + (500ull << 20)}));
+  EXPECT_EQ(p.kv, (std::vector<uint64_t>{10 * 8 * (16ull << 20), 6 * 8 * (16ull << 20)}));
   // A worker twice as fast takes about twice the layers.
   p = pp::node::plan_cuts({probe("a", 20, 64), probe("b", 10, 64), probe("c", 10, 64)}, 16, 8);
   EXPECT_EQ(p.layers[0] + p.layers[1] + p.layers[2], 16);
@@ -119,6 +120,29 @@ TEST(CutPlan, InProportionToSpeedWithTheOutputOnTheLastStage) {
   const std::string text = pp::node::plan_text({probe("coordinator", 10, 64), probe("h:1", 10, 64)},
                                                pp::node::plan_cuts({probe("a", 10, 64), probe("b", 10, 64)}, 16, 8));
   EXPECT_NE(text.find("--cuts 10"), std::string::npos) << text;
+  EXPECT_NE(text.find("free 64.00 GiB  -> layers [0, 10)  ~100.00 ms/token  memory 1.17 GiB weights + 1.25 GiB KV\n"),
+            std::string::npos)
+      << text;
+}
+
+TEST(CutPlan, ASplitThatCannotFitIsRefusedNamingTheStageAndTheShortfall) {
+  // 16 layers of 120 MiB + 8 x 16 MiB of KV each, 500 MiB of output: 4.4 GiB; two stages with 2 GiB each hold at
+  // most 2 x 0.9 x 2 GiB = 3.6 GiB.
+  try {
+    pp::node::plan_cuts({probe("coordinator", 10, 2), probe("10.0.0.2:52100", 10, 2)}, 16, 8);
+    FAIL() << "a plan over every stage's memory was accepted";
+  } catch (const pp::RequestError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("--cuts auto: the model does not fit in the stages' memory"), std::string::npos) << m;
+    EXPECT_NE(m.find("stage 1 (10.0.0.2:52100) would hold layers ["), std::string::npos) << m;
+    EXPECT_NE(m.find(") and the output: weights "), std::string::npos) << m;
+    EXPECT_NE(m.find("over 90% of its free memory (1.80 GiB), short by "), std::string::npos) << m;
+    EXPECT_NE(m.find("Lower --parallel or --ctx, or add a worker"), std::string::npos) << m;
+  }
+  // Fewer sessions fit: the same stages hold 16 layers with 1 session each.
+  const auto p = pp::node::plan_cuts({probe("coordinator", 10, 2), probe("10.0.0.2:52100", 10, 2)}, 16, 1);
+  EXPECT_EQ(p.layers[0] + p.layers[1], 16);
+  for (std::size_t i = 0; i < 2; ++i) EXPECT_LE(p.weights[i] + p.kv[i], uint64_t(0.9 * double(2ull << 30)));
 }
 
 TEST(BatchFrame, TableRoundTripsAndEveryCheckRefuses) {

@@ -5,7 +5,8 @@
 // projection, costed as a layer scaled by its share of weight bytes (both are memory-bound reads). Layers
 // are handed out one at a time to the stage whose time grows least, so the slowest stage's time is as
 // small as the split allows; a stage never gets more layers than 90% of its free memory holds (weights
-// plus the KV caches of `sessions` sessions), unless no stage has room left.
+// plus the KV caches of `sessions` sessions). A split in which some stage cannot hold its share is refused,
+// naming each such stage, what it would need and the shortfall.
 #pragma once
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "pp/core/error.hpp"
+#include "pp/core/printable.hpp"
 #include "pp/net/probe.hpp"
 
 namespace pp::node {
@@ -25,10 +27,11 @@ struct StageProbe {
 };
 
 struct CutPlan {
-  std::vector<int> cuts;     // one per worker
-  std::vector<int> layers;   // per stage
-  std::vector<double> ms;    // estimated per-token time per stage
-  bool over_memory = false;  // some stage got more than its memory holds
+  std::vector<int> cuts;         // one per worker
+  std::vector<int> layers;       // per stage
+  std::vector<double> ms;        // estimated per-token time per stage
+  std::vector<uint64_t> weights;  // bytes of weights per stage (its layers; the embedding on the first, the output on the last)
+  std::vector<uint64_t> kv;       // bytes of KV caches per stage (`sessions` sessions at the probe's ctx)
 };
 
 inline double head_ms(const net::ProbeReport& r) {
@@ -43,12 +46,14 @@ inline CutPlan plan_cuts(const std::vector<StageProbe>& stages, int n_layer, std
     const net::ProbeReport& r = stages[i].report;
     return n * r.layer_us * 1e-3 + (i + 1 == S ? head_ms(r) : 0.0);
   };
-  auto fits = [&](std::size_t i, int n) {
+  auto weights = [&](std::size_t i, int n) {
     const net::ProbeReport& r = stages[i].report;
-    if (r.mem_available == 0) return true;
-    const double need = double(n) * double(r.layer_bytes + r.kv_bytes_per_layer * sessions) +
-                        (i + 1 == S ? double(r.head_bytes) : 0.0);
-    return need <= 0.9 * double(r.mem_available);
+    return uint64_t(n) * r.layer_bytes + (i == 0 ? r.embd_bytes : 0) + (i + 1 == S ? r.head_bytes : 0);
+  };
+  auto kv = [&](std::size_t i, int n) { return uint64_t(n) * stages[i].report.kv_bytes_per_layer * sessions; };
+  auto room = [&](std::size_t i) { return uint64_t(0.9 * double(stages[i].report.mem_available)); };
+  auto fits = [&](std::size_t i, int n) {
+    return stages[i].report.mem_available == 0 || weights(i, n) + kv(i, n) <= room(i);
   };
   CutPlan p;
   p.layers.assign(S, 1);
@@ -59,15 +64,29 @@ inline CutPlan plan_cuts(const std::vector<StageProbe>& stages, int n_layer, std
         if (pass == 0 && !fits(i, p.layers[i] + 1)) continue;
         if (best == S || time(i, p.layers[i] + 1) < time(best, p.layers[best] + 1)) best = i;
       }
-    if (!fits(best, p.layers[best] + 1)) p.over_memory = true;
     ++p.layers[best];
   }
   int at = 0;
+  std::string short_of;
   for (std::size_t i = 0; i < S; ++i) {
     if (i > 0) p.cuts.push_back(at);
-    at += p.layers[i];
-    p.ms.push_back(time(i, p.layers[i]));
+    const int n = p.layers[i];
+    p.ms.push_back(time(i, n));
+    p.weights.push_back(weights(i, n));
+    p.kv.push_back(kv(i, n));
+    if (!fits(i, n)) {
+      const uint64_t need = p.weights.back() + p.kv.back();
+      short_of += "; stage " + std::to_string(i) + " (" + stages[i].who + ") would hold layers [" + std::to_string(at) +
+                  ", " + std::to_string(at + n) + ")" + (i + 1 == S ? " and the output" : "") + ": weights " +
+                  format_bytes(p.weights.back()) + " + KV of " + std::to_string(sessions) + " session(s) " +
+                  format_bytes(p.kv.back()) + " = " + format_bytes(need) + ", over 90% of its free memory (" +
+                  format_bytes(room(i)) + "), short by " + format_bytes(need - room(i));
+    }
+    at += n;
   }
+  if (!short_of.empty())
+    throw RequestError("--cuts auto: the model does not fit in the stages' memory" + short_of +
+                       ". Lower --parallel or --ctx, or add a worker");
   return p;
 }
 
@@ -84,10 +103,11 @@ inline std::string plan_text(const std::vector<StageProbe>& stages, const CutPla
     const int hi = lo + p.layers[i];
     s += "  stage " + std::to_string(i) + "  " + stages[i].who + "  " + r.arch + " x " + std::to_string(r.threads);
     s += "  layer " + fixed(r.layer_us * 1e-3, 2) + " ms  free ";
-    s += r.mem_available ? fixed(double(r.mem_available) / double(1ull << 30), 1) + " GiB" : std::string("?");
+    s += r.mem_available ? format_bytes(r.mem_available) : std::string("?");
     s += "  -> layers [" + std::to_string(lo) + ", " + std::to_string(hi) + ")";
     if (i + 1 == stages.size()) s += " + output (" + fixed(head_ms(r), 2) + " ms)";
-    s += "  ~" + fixed(p.ms[i], 2) + " ms/token\n";
+    s += "  ~" + fixed(p.ms[i], 2) + " ms/token  memory " + format_bytes(p.weights[i]) + " weights + " +
+         format_bytes(p.kv[i]) + " KV\n";
     lo = hi;
   }
   s += "  --cuts ";
@@ -95,7 +115,6 @@ inline std::string plan_text(const std::vector<StageProbe>& stages, const CutPla
     if (i) s += ',';
     s += std::to_string(p.cuts[i]);
   }
-  if (p.over_memory) s += "  (warning: a stage holds more than 90% of its free memory)";
   return s + "\n";
 }
 

@@ -43,6 +43,8 @@ class KvCache {
   int64_t n_past() const { return n_past_; }   // positions [0, n_past) have been processed
   int64_t oldest() const { return oldest_; }   // lowest position still held by the ring
   std::size_t bytes() const { return k_.size() + v_.size(); }
+  // What one layer's keys and values of `capacity` positions take (f32; before the keys' row padding).
+  static uint64_t bytes_per_layer(uint64_t capacity, uint64_t kv_dim) { return 2 * capacity * kv_dim * sizeof(float); }
 
   std::size_t slot(int64_t pos) const { return std::size_t(pos) % cap_; }
   int64_t window_lo(int64_t pos) const { return std::max<int64_t>(0, pos - int64_t(cap_) + 1); }

@@ -32,6 +32,7 @@ struct ProbeReport {
   double layer_us = 0;         // median wall time of one decoder layer on one row
   uint64_t layer_bytes = 0;    // weight bytes of one decoder layer
   uint64_t head_bytes = 0;     // weight bytes of the final norm and output projection
+  uint64_t embd_bytes = 0;     // weight bytes of the token embedding table (held by the first stage)
   uint64_t kv_bytes_per_layer = 0;  // KV cache of one session for one layer at max_ctx
   uint64_t mem_available = 0;  // bytes (/proc/meminfo MemAvailable); 0 when unknown
   unsigned threads = 0;
@@ -74,7 +75,8 @@ inline ProbeReport measure_probe(const std::string& path, unsigned threads, uint
   r.layer_us = us[us.size() / 2];
   for (const auto& n : llama::block_tensor_names(mid)) r.layer_bytes += g.tensor(n)->n_bytes;
   r.head_bytes = g.tensor("output_norm.weight")->n_bytes + g.tensor(llama::output_tensor_name(g))->n_bytes;
-  r.kv_bytes_per_layer = 2ull * max_ctx * c.kv_dim() * sizeof(float);
+  r.embd_bytes = g.tensor("token_embd.weight")->n_bytes;
+  r.kv_bytes_per_layer = KvCache::bytes_per_layer(max_ctx, c.kv_dim());
   r.mem_available = mem_available_bytes();
   r.threads = st.threads();
   r.arch = simd::Best::name();
@@ -84,7 +86,7 @@ inline ProbeReport measure_probe(const std::string& path, unsigned threads, uint
 
 inline std::string encode_probe(const ProbeReport& r) {
   return "layer_us=" + detail::double_text(r.layer_us) + "\nlayer_bytes=" + std::to_string(r.layer_bytes) +
-         "\nhead_bytes=" + std::to_string(r.head_bytes) + "\nkv_bytes_per_layer=" + std::to_string(r.kv_bytes_per_layer) +
+         "\nhead_bytes=" + std::to_string(r.head_bytes) + "\nembd_bytes=" + std::to_string(r.embd_bytes) + "\nkv_bytes_per_layer=" + std::to_string(r.kv_bytes_per_layer) +
          "\nmem_available=" + std::to_string(r.mem_available) + "\nthreads=" + std::to_string(r.threads) +
          "\narch=" + detail::clean(r.arch) + "\nmax_ctx=" + std::to_string(r.max_ctx) + "\n";
 }
@@ -96,6 +98,7 @@ inline ProbeReport decode_probe(std::string_view text) {
     if (k == "layer_us") r.layer_us = detail::parse_double(k, v), have_us = true;
     else if (k == "layer_bytes") r.layer_bytes = detail::parse_uint<uint64_t>(k, v, UINT64_MAX);
     else if (k == "head_bytes") r.head_bytes = detail::parse_uint<uint64_t>(k, v, UINT64_MAX);
+    else if (k == "embd_bytes") r.embd_bytes = detail::parse_uint<uint64_t>(k, v, UINT64_MAX);
     else if (k == "kv_bytes_per_layer") r.kv_bytes_per_layer = detail::parse_uint<uint64_t>(k, v, UINT64_MAX);
     else if (k == "mem_available") r.mem_available = detail::parse_uint<uint64_t>(k, v, UINT64_MAX);
     else if (k == "threads") r.threads = detail::parse_uint<unsigned>(k, v, 65535);
