@@ -1,11 +1,14 @@
 // pp_worker's pieces in-process: base64, the wire dtypes, request parsing and start-up settings.
 #include "worker/base64.hpp"
+#include "worker/line_io.hpp"
 #include "worker/protocol.hpp"
 #include "worker/startup.hpp"
 #include "worker/stub_backend.hpp"
 #include "worker/wire.hpp"
 
 #include <gtest/gtest.h>
+
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -51,6 +54,39 @@ size_t error_offset(const std::string& b64) {
     return e.offset();
   }
   return std::string::npos;
+}
+
+// Lines from a pipe: an input that ends at once (no byte ever read: the buffer is still unallocated), a last
+// line without '\n', an over-long line reported with its length, then end of input.
+TEST(LineReader, EmptyInputEndsAtOnceAndLinesSplitAsSpecified) {
+  int p[2];
+  ASSERT_EQ(::pipe(p), 0);
+  ::close(p[1]);
+  {
+    pp::worker::LineReader empty(p[0], 16, -1);
+    EXPECT_EQ(empty.next().kind, pp::worker::LineReader::Kind::eof);
+  }
+  ::close(p[0]);
+  ASSERT_EQ(::pipe(p), 0);
+  const std::string input = "one\n\n" + std::string(40, 'x') + "\nlast";
+  ASSERT_EQ(::write(p[1], input.data(), input.size()), ssize_t(input.size()));
+  ::close(p[1]);
+  pp::worker::LineReader r(p[0], 16, -1);
+  using Kind = pp::worker::LineReader::Kind;
+  auto n = r.next();
+  EXPECT_EQ(n.kind, Kind::line);
+  EXPECT_EQ(n.line, "one");
+  n = r.next();
+  EXPECT_EQ(n.kind, Kind::line);
+  EXPECT_EQ(n.line, "");
+  n = r.next();
+  EXPECT_EQ(n.kind, Kind::too_long);
+  EXPECT_EQ(n.length, 40u);
+  n = r.next();
+  EXPECT_EQ(n.kind, Kind::line);
+  EXPECT_EQ(n.line, "last");
+  EXPECT_EQ(r.next().kind, Kind::eof);
+  ::close(p[0]);
 }
 
 TEST(Base64, RoundTripsEveryLengthAgainstTheOracle) {

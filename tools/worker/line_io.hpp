@@ -43,7 +43,8 @@ class LineReader {
   Next next() {
     while (true) {
       if (draining_) {
-        const void* nl = std::memchr(buf_.get() + begin_, '\n', end_ - begin_);
+        // (the buffer is allocated on the first read: no memchr on a null pointer, even for 0 bytes)
+        const void* nl = end_ > begin_ ? std::memchr(buf_.get() + begin_, '\n', end_ - begin_) : nullptr;
         if (nl) {
           const size_t at = size_t(static_cast<const char*>(nl) - buf_.get());
           drained_ += at - begin_;
@@ -54,7 +55,7 @@ class LineReader {
         drained_ += end_ - begin_;
         begin_ = end_ = scan_ = 0;
       } else {
-        const void* nl = std::memchr(buf_.get() + scan_, '\n', end_ - scan_);
+        const void* nl = end_ > scan_ ? std::memchr(buf_.get() + scan_, '\n', end_ - scan_) : nullptr;
         if (nl) {
           const size_t at = size_t(static_cast<const char*>(nl) - buf_.get());
           const size_t len = at - begin_;
