@@ -9,6 +9,7 @@
 #include <iostream>
 #include <memory>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -61,12 +62,14 @@ inline void print_listening(const std::string& host, uint16_t port) {
 inline void warn_if_exposed(const std::string& host, uint16_t port, const pp::net::FrameLimits& limits,
                      std::size_t max_connections) {
   if (pp::net::is_loopback_host(host)) return;
-  std::cerr << "pp_node: warning: worker bound to " << host << ":" << port
-            << " (not loopback): any host that can reach this port may open up to "
-            << max_connections << " connections and have this machine run up to "
-            << limits.max_layer_range << " placeholder layers on payloads of up to "
-            << limits.max_payload << " bytes per frame, without authentication. "
-            << "Bind --host 127.0.0.1 or firewall the port unless that is intended." << std::endl;
+  std::ostringstream text;  // one write, before the "listening" banner
+  text << "pp_node: warning: worker bound to " << host << ":" << port
+       << " (not loopback): any host that can reach this port may open up to "
+       << max_connections << " connections and have this machine run up to "
+       << limits.max_layer_range << " placeholder layers on payloads of up to "
+       << limits.max_payload << " bytes per frame, without authentication. "
+       << "Bind --host 127.0.0.1 or firewall the port unless that is intended.\n";
+  std::cerr << text.str() << std::flush;
 }
 
 // What each connection of a placeholder worker runs (the seam a model stage replaces).
@@ -79,8 +82,8 @@ inline int run_placeholder_worker(const std::string& host, uint16_t port, const 
                const pp::net::ServerOptions& options) {
   pp::net::Listener listener = pp::net::listen_tcp(host, port);
   const uint16_t bound = listener.local.port;
-  print_listening(host, bound);
   warn_if_exposed(host, bound, limits, options.max_connections);
+  print_listening(host, bound);
   install_stop_handlers();
   pp::net::Server server(std::move(listener), options, placeholder_handler(limits), worker_log);
   server.serve(&g_stop_requested);

@@ -35,10 +35,10 @@ inline int run_model_worker(const std::string& host, uint16_t port, pp::net::Mod
   const pp::net::ModelIdentity& id = worker.identity();
   pp::net::Listener listener = pp::net::listen_tcp(host, port);
   const uint16_t bound = listener.local.port;
+  pp::node::warn_if_model_worker_exposed(std::cerr, host, bound, worker, options.max_connections);
   std::cout << "pipe worker (model '" << id.file << "', " << id.n_layer << " layers, hidden " << id.n_embd
             << ", fingerprint " << id.fingerprint.substr(0, 16) << "; layer range assigned per session)" << std::endl;
   std::cout << "pipe worker (stage B) listening on " << host << ":" << bound << "  (Ctrl-C to stop)" << std::endl;
-  pp::node::warn_if_model_worker_exposed(std::cerr, host, bound, worker, options.max_connections);
   install_stop_handlers();
   pp::net::Server server(std::move(listener), options, model_handler(worker), worker_log);
   server.serve(&g_stop_requested);
