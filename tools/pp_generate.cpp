@@ -20,30 +20,10 @@
 #include <fstream>
 #include <iostream>
 #include <optional>
-#include <sstream>
 
 #include <unistd.h>
 
 namespace {
-
-std::vector<int32_t> parse_ids(const std::string& s) {
-  std::vector<int32_t> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    std::size_t used = 0;
-    long v = -1;
-    try {
-      v = std::stol(item, &used);
-    } catch (...) {
-    }
-    if (used != item.size() || v < 0 || v > INT32_MAX)
-      throw pp::RequestError("--prompt-ids: '" + item + "' is not a non-negative token id");
-    out.push_back(int32_t(v));
-  }
-  if (out.empty()) throw pp::RequestError("--prompt-ids: no ids given");
-  return out;
-}
 
 nlohmann::json rows_json(const std::vector<float>& v, std::size_t n, std::size_t V) {
   nlohmann::json a = nlohmann::json::array();
@@ -112,7 +92,7 @@ int main(int argc, char** argv) {
     const pp::Tokenizer* tok = pipe.model().tokenizer();
     if (!tok && !prompt_text.empty()) throw pp::TokenizerError(pipe.model().tokenizer_error());
     const std::vector<int32_t> prompt =
-        prompt_text.empty() ? parse_ids(ids_arg) : tok->encode(prompt_text, tok->add_bos() && !no_bos);
+        prompt_text.empty() ? pp::tools::parse_prompt_ids(ids_arg) : tok->encode(prompt_text, tok->add_bos() && !no_bos);
     if (prompt.empty()) throw pp::RequestError("the prompt has no tokens");
     const pp::Config& c = pipe.config();
     const std::size_t V = c.n_vocab, n = prompt.size();

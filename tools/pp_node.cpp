@@ -32,9 +32,6 @@
 
 namespace {
 
-static_assert(pp::node::kExitOk == pp::tools::kExitOk && pp::node::kExitMismatch == pp::tools::kExitFailed &&
-              pp::node::kExitUsage == pp::tools::kExitUsage && pp::node::kExitFailure == pp::tools::kExitPeer);
-
 using pp::net::Millis;
 using pp::node::kExitFailure;
 using pp::node::kExitMismatch;
@@ -77,26 +74,6 @@ std::vector<pp::net::Peer> parse_workers(const std::string& list, uint16_t defau
     }
     if (p.host.empty()) throw UsageError{"--coordinator: empty host in '" + list + "'"};
     out.push_back(p);
-    start = comma + 1;
-  }
-  return out;
-}
-
-std::vector<int32_t> parse_ids(const std::string& s) {
-  std::vector<int32_t> out;
-  std::size_t start = 0;
-  while (start <= s.size()) {
-    const std::size_t comma = std::min(s.find(',', start), s.size());
-    const std::string item = s.substr(start, comma - start);
-    std::size_t used = 0;
-    long v = -1;
-    try {
-      v = std::stol(item, &used);
-    } catch (const std::exception&) {
-    }
-    if (used != item.size() || v < 0 || v > INT32_MAX)
-      throw UsageError{"--prompt-ids: '" + item + "' is not a non-negative token id"};
-    out.push_back(static_cast<int32_t>(v));
     start = comma + 1;
   }
   return out;
@@ -271,7 +248,13 @@ int run_model(const Cli& c, const pp::net::ServerOptions& options, Millis timeou
   run.name = wopt.name;
   run.cuts = c.cut_given ? std::vector<int>{static_cast<int>(std::clamp<int64_t>(c.cut, INT32_MIN, INT32_MAX))} : c.cuts;
   run.prompt = c.prompt;
-  if (!c.prompt_ids.empty()) run.prompt_ids = parse_ids(c.prompt_ids);
+  if (!c.prompt_ids.empty()) {
+    try {
+      run.prompt_ids = pp::tools::parse_prompt_ids(c.prompt_ids);
+    } catch (const pp::RequestError& e) {
+      throw UsageError{e.what()};
+    }
+  }
   if (c.prompt && !run.prompt_ids.empty()) throw UsageError{"give --prompt or --prompt-ids, not both"};
   run.tokens = static_cast<uint32_t>(c.tokens);
   if (c.no_verify && c.verify != "probe") throw UsageError{"give --no-verify or --verify, not both"};

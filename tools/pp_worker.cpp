@@ -29,7 +29,7 @@ namespace {
 
 using namespace pp::worker;
 
-constexpr int kExitFatal = 1;
+constexpr int kExitFatal = pp::tools::kExitFailed;
 
 void say(const std::string& line) {
   const std::string text = "pp_worker: " + line + "\n";
@@ -155,7 +155,6 @@ int main(int argc, char** argv) {
   CLI::Option* ctx_opt =
       app.add_option("--ctx", ctx, "KV capacity in positions (default: $PP_CTX or min(4096, model))")->type_name("N");
   if (const auto code = pp::tools::parse_command_line(app, argc, argv, "pp_worker")) return *code;
-  static_assert(kExitStartup == pp::tools::kExitUsage && kExitFatal == pp::tools::kExitFailed);
   if (model_opt->count()) cli.model = model;
   if (ctx_opt->count()) cli.ctx = ctx;
   if (threads_opt->count()) cli.threads = threads;

@@ -13,24 +13,19 @@
 
 #include <CLI/CLI.hpp>
 
+#include "common/exit_status.hpp"
+
+#include <algorithm>
 #include <cinttypes>
+#include <climits>
 #include <cstdint>
 #include <cstdio>
 #include <optional>
 #include <random>
 #include <string>
+#include <vector>
 
 namespace pp::tools {
-
-// Exit statuses, one meaning in every tool.
-inline constexpr int kExitOk = 0;
-inline constexpr int kExitFailed = 1;  // the run started and failed (pp_node: byte-identity mismatch)
-inline constexpr int kExitUsage = 2;   // cannot start: a bad flag, argument or environment value, or a model or file it names
-inline constexpr int kExitPeer = 3;    // a peer or the transport failed (pp_node: a worker died, stalled, refused, sent garbage)
-
-inline constexpr const char* kExitFooter =
-    "Exit status: 0 done; 1 the run failed; 2 cannot start (bad flag, environment value, or model file); "
-    "3 a peer or the transport failed.";
 
 // True for an error in what the command line names (a model that is missing, not GGUF or not runnable, a
 // prompt or request the model refuses): exit 2, "cannot start", rather than a failure of the run.
@@ -56,6 +51,27 @@ inline std::optional<int> parse_command_line(CLI::App& app, int argc, char** arg
     std::fprintf(stderr, "%s: error: %s (see --help)\n", tool, e.what());
     return kExitUsage;
   }
+}
+
+// --prompt-ids: "496,198,303" -> ids; throws pp::RequestError naming the item that is not a token id.
+inline std::vector<int32_t> parse_prompt_ids(const std::string& s) {
+  std::vector<int32_t> out;
+  std::size_t start = 0;
+  while (start <= s.size()) {
+    const std::size_t comma = std::min(s.find(',', start), s.size());
+    const std::string item = s.substr(start, comma - start);
+    std::size_t used = 0;
+    long v = -1;
+    try {
+      v = std::stol(item, &used);
+    } catch (const std::exception&) {
+    }
+    if (item.empty() || used != item.size() || v < 0 || v > INT32_MAX)
+      throw RequestError("--prompt-ids: '" + item + "' is not a non-negative token id");
+    out.push_back(int32_t(v));
+    start = comma + 1;
+  }
+  return out;
 }
 
 // ---- the shared flags ----

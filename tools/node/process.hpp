@@ -3,6 +3,8 @@
 
 #include <signal.h>
 
+#include "common/exit_status.hpp"
+
 #include <atomic>
 #include <iostream>
 #include <mutex>
@@ -10,10 +12,11 @@
 
 namespace pp::node {
 
-inline constexpr int kExitOk = 0;
-inline constexpr int kExitMismatch = 1;  // byte-identity failed (the prototype's status)
-inline constexpr int kExitUsage = 2;
-inline constexpr int kExitFailure = 3;   // a peer died, stalled, refused or sent garbage; or a local error
+// pp_node's names for the statuses every tool shares (tools/common/exit_status.hpp).
+inline constexpr int kExitOk = tools::kExitOk;
+inline constexpr int kExitMismatch = tools::kExitFailed;  // byte-identity failed (the prototype's status)
+inline constexpr int kExitUsage = tools::kExitUsage;
+inline constexpr int kExitFailure = tools::kExitPeer;     // a peer died, stalled, refused or sent garbage
 
 // A command line that cannot run; pp_node prints it and exits 2.
 struct UsageError {

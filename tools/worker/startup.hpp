@@ -2,6 +2,7 @@
 #pragma once
 
 #include "wire.hpp"
+#include "../common/exit_status.hpp"
 
 #include <pp/core/error.hpp>
 #include <pp/core/hex.hpp>
@@ -23,7 +24,7 @@ class StartupError : public Error {
   using Error::Error;
 };
 
-inline constexpr int kExitStartup = 2;
+inline constexpr int kExitStartup = tools::kExitUsage;  // the protocol's status for a bad start
 inline constexpr int64_t kDefaultStubCtx = 4096;
 inline constexpr int64_t kMaxCtx = int64_t(1) << 24;  // keeps the line limit and buffers far from overflow
 inline constexpr int64_t kDefaultHeartbeatSecs = 30;
