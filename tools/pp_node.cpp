@@ -132,24 +132,12 @@ struct Cli {
 
 // --cuts: "auto" or integers.
 std::vector<int> parse_cuts(const std::string& s) {
-  std::vector<int> out;
-  if (s.empty()) return out;
-  std::size_t start = 0;
-  while (start <= s.size()) {
-    const std::size_t comma = std::min(s.find(',', start), s.size());
-    const std::string item = s.substr(start, comma - start);
-    std::size_t used = 0;
-    long v = -1;
-    try {
-      v = std::stol(item, &used);
-    } catch (const std::exception&) {
-    }
-    if (item.empty() || used != item.size() || v < INT32_MIN || v > INT32_MAX)
-      throw UsageError{"--cuts: '" + item + "' is not an integer (give C1,C2,... or auto)"};
-    out.push_back(static_cast<int>(v));
-    start = comma + 1;
+  if (s.empty()) return {};
+  try {
+    return pp::tools::parse_int_list(s, "--cuts", INT32_MIN + 1L, INT32_MAX, "an integer (give C1,C2,... or auto)");
+  } catch (const pp::RequestError& e) {
+    throw UsageError{e.what()};
   }
-  return out;
 }
 
 void require_range(const char* name, int64_t value, int64_t lo, int64_t hi) {

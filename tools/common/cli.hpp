@@ -53,25 +53,32 @@ inline std::optional<int> parse_command_line(CLI::App& app, int argc, char** arg
   }
 }
 
-// --prompt-ids: "496,198,303" -> ids; throws pp::RequestError naming the item that is not a token id.
-inline std::vector<int32_t> parse_prompt_ids(const std::string& s) {
+// "A,B,C" -> integers in [lo, hi]; throws pp::RequestError naming `flag` and the item that is not one
+// (`what` describes a valid item).
+inline std::vector<int32_t> parse_int_list(const std::string& s, const std::string& flag, long lo, long hi,
+                                           const std::string& what) {
   std::vector<int32_t> out;
   std::size_t start = 0;
   while (start <= s.size()) {
     const std::size_t comma = std::min(s.find(',', start), s.size());
     const std::string item = s.substr(start, comma - start);
     std::size_t used = 0;
-    long v = -1;
+    long v = lo - 1;
     try {
       v = std::stol(item, &used);
     } catch (const std::exception&) {
     }
-    if (item.empty() || used != item.size() || v < 0 || v > INT32_MAX)
-      throw RequestError("--prompt-ids: '" + item + "' is not a non-negative token id");
+    if (item.empty() || used != item.size() || v < lo || v > hi)
+      throw RequestError(flag + ": '" + item + "' is not " + what);
     out.push_back(int32_t(v));
     start = comma + 1;
   }
   return out;
+}
+
+// --prompt-ids: "496,198,303" -> ids.
+inline std::vector<int32_t> parse_prompt_ids(const std::string& s) {
+  return parse_int_list(s, "--prompt-ids", 0, INT32_MAX, "a non-negative token id");
 }
 
 // ---- the shared flags ----
