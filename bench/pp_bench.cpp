@@ -97,12 +97,15 @@ BENCHMARK(BM_MatmulFew)
 // A prompt's matmul (128 tokens) at the 1B shapes, one thread, by kernel: 0 = the 1-row dot kernels of
 // a decode step applied to every token; 1 = the exact tile kernel a bulk request takes here (AMX tiles
 // or the vector register tiles of gemm.hpp); 2 = the fast path (BF16 only: bf16 activations and the
-// bf16 dot, where the CPU has one), activation rounding included.
+// bf16 dot, where the CPU has one), activation rounding included. Q8_0 weights take the quantized fast
+// path (activations quantized to int8 blocks in each call): 0 = its dot kernels, 1 = gemm_q8.hpp's tiles.
 void BM_MatmulBulk(benchmark::State& st) {
   const auto type = pp::DType(st.range(0));
   const std::size_t rows = std::size_t(st.range(1)), cols = std::size_t(st.range(2)), m = 128;
   const int kernel = int(st.range(3));
-  if (kernel == 2 && (type != pp::DType::BF16 || !pp::kernels::gemm::kHaveFastBf16)) {
+  const bool q8 = type == pp::DType::Q8_0;
+  if ((kernel == 2 && (type != pp::DType::BF16 || !pp::kernels::gemm::kHaveFastBf16)) ||
+      (q8 && kernel == 1 && !pp::kernels::gemm_q8::kAvailable)) {
     st.SkipWithError("no fast path for this type on this build");
     return;
   }
@@ -115,19 +118,22 @@ void BM_MatmulBulk(benchmark::State& st) {
   std::vector<uint8_t> xq(m * pp::kernels::xq_row_bytes(cols));
   pp::ThreadPool pool(1);
   for (auto _ : st) {
-    if (kernel == 0) pp::kernels::matmul_rows<pp::simd::Best>(mv, x.data(), m, y.data(), 0, rows);
+    if (q8) pp::kernels::matmul(pool, mv, x.data(), m, y.data(), {true, xq}, /*bulk=*/kernel == 1);
+    else if (kernel == 0) pp::kernels::matmul_rows<pp::simd::Best>(mv, x.data(), m, y.data(), 0, rows);
     else pp::kernels::matmul(pool, mv, x.data(), m, y.data(), {false, xq, kernel == 2}, /*bulk=*/true);
     benchmark::DoNotOptimize(y.data());
   }
   st.counters["GFLOP/s"] =
       benchmark::Counter(2.0 * double(rows * cols * m), benchmark::Counter::kIsIterationInvariantRate);
   st.SetLabel(std::string(pp::dtype_name(type)) + " " + std::to_string(rows) + "x" + std::to_string(cols) + " " +
-              (kernel == 0   ? "dot kernels"
+              (q8            ? (kernel == 0 ? "fast: int8 dot kernels" : std::string("fast: ") + pp::kernels::gemm_q8::kName)
+               : kernel == 0 ? "dot kernels"
                : kernel == 2 ? "fast: bf16 dot tiles"
                : pp::kernels::amx::applies(mv) ? "AMX tiles" : "vector tiles"));
 }
 BENCHMARK(BM_MatmulBulk)
     ->ArgsProduct({{int(pp::DType::BF16), int(pp::DType::F16), int(pp::DType::F32)}, {2048}, {2048, 8192}, {0, 1, 2}})
+    ->ArgsProduct({{int(pp::DType::Q8_0)}, {2048}, {2048, 8192}, {0, 1}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 
@@ -305,7 +311,7 @@ void BM_Prefill(benchmark::State& st) {
   st.counters["tok/s"] = benchmark::Counter(double(n), benchmark::Counter::kIsIterationInvariantRate);
   // Which numeric path the prompt took (float weights: AMX / vector tiles exact, or the bf16 dot).
   const bool quant = dt != "bf16" && dt != "f16";
-  st.SetLabel(dt + (dt == "q8_0" && pp::kernels::gemm_q8::kAvailable ? " fast (int8 VNNI tiles)"
+  st.SetLabel(dt + (dt == "q8_0" && pp::kernels::gemm_q8::kAvailable ? std::string(" fast (") + pp::kernels::gemm_q8::kName + ")"
                     : quant                          ? " fast (int8)"
                     : dt == "bf16" && s.fast_float() ? " fast (bf16 dot)"
                     : pp::kernels::amx::available()  ? " exact (AMX)"

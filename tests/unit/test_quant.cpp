@@ -416,8 +416,8 @@ TEST(QuantDot, TokenCountAndThreadsDoNotChangeBits) {
   }
 }
 
-// Bulk requests of Q8_0 weights on the fast path (gemm_q8.hpp where AVX512-VNNI is compiled in, the dot
-// kernels elsewhere): against the oracle on the quantized activations; a row's result independent of
+// Bulk requests of Q8_0 weights on the fast path (gemm_q8.hpp where AVX512-VNNI or AVX2 is compiled in,
+// the dot kernels elsewhere): against the oracle on the quantized activations; a row's result independent of
 // how many tokens share the call (partial token blocks, several chunks), the thread count and so the
 // row ranges of tasks (full and last row blocks).
 TEST(QuantDot, Q8_0BulkRowsMatchOracleWhateverTheBatchAndThreads) {
@@ -442,6 +442,23 @@ TEST(QuantDot, Q8_0BulkRowsMatchOracleWhateverTheBatchAndThreads) {
         ASSERT_EQ(std::bit_cast<uint32_t>(part[i]), std::bit_cast<uint32_t>(y1[20 * rows + i])) << i;
       expect_dots(y1, wf, dequant_acts(DType::Q8_0, xq, m, cols), m, rows, cols,
                   "q8_0 bulk cols " + std::to_string(cols) + " rows " + std::to_string(rows));
+      if (!pp::kernels::gemm_q8::kAvailable) continue;
+      // On tiles, bit for bit the chain gemm_q8.hpp promises, whatever the instruction set (VNNI or
+      // AVX2 builds): acc = fma(float(exact block dot), d_w * d_x, acc) over the blocks in order.
+      const std::size_t nb = cols / 32;
+      for (std::size_t t = 0; t < m; ++t)
+        for (std::size_t r = 0; r < rows; ++r) {
+          const auto* wb = reinterpret_cast<const q::BlockQ8_0*>(w.data() + r * mv.row_stride);
+          const auto* xb = reinterpret_cast<const q::ActQ8*>(xq.data() + t * rb);
+          float acc = 0.f;
+          for (std::size_t b = 0; b < nb; ++b) {
+            int32_t dot = 0;
+            for (int j = 0; j < 32; ++j) dot += int32_t(wb[b].qs[j]) * int32_t(xb[b].qs[j]);
+            acc = std::fma(float(dot), q::h2f(wb[b].d) * xb[b].d, acc);
+          }
+          ASSERT_EQ(std::bit_cast<uint32_t>(acc), std::bit_cast<uint32_t>(y1[t * rows + r]))
+              << "cols " << cols << " rows " << rows << " token " << t << " row " << r;
+        }
     }
 }
 

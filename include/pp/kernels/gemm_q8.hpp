@@ -1,19 +1,25 @@
-// Bulk matrix products (prompts) against Q8_0 weights on AVX512-VNNI: the quantized fast path's GEMM.
+// Bulk matrix products (prompts) against Q8_0 weights: the quantized fast path's GEMM, on AVX512-VNNI
+// (int8 products) or AVX2 (int16 products).
 //
 // The fast path quantizes each activation row to 32-element int8 blocks (quant::ActQ8, llama.cpp's
 // scheme). Here those rows are packed once per call with the tokens side by side, as gemm.hpp packs
-// floats: for each weight block b and each 4 elements of it, 32 tokens x 4 codes (two zmm), the codes
-// offset by 128 to unsigned bytes, then the 32 tokens' scales. A register tile is R weight rows x 32
-// tokens: per 4 elements, vpdpbusd of the token codes with one 4-byte group of a row's codes broadcast
-// straight from the file (64 products an instruction, the weights need no unpacking); per block, the
-// int32 sums (started at -128 * the row block's code sum, which removes the offset exactly) become f32
-// and are scaled by d_w * d_x into the f32 accumulators.
+// floats, then the tokens' scales:
+// * VNNI: for each weight block b and each 4 elements of it, 32 tokens x 4 codes (two zmm), offset by
+//   128 to unsigned bytes. A register tile is R weight rows x 32 tokens: per 4 elements, vpdpbusd of the
+//   token codes with one 4-byte group of a row's codes broadcast straight from the file (64 products an
+//   instruction); the int32 sums start at -128 * the row block's code sum, which removes the offset.
+// * AVX2: the same layout with the codes as they are (signed). The step is llama.cpp's sign trick on a
+//   register tile: |w| of a row's 4-byte group broadcast, the token codes given w's signs (vpsignb),
+//   vpmaddubsw (|w| <= 128 times |x| <= 127, pairs summed: at most 32512, never saturating) and
+//   vpmaddwd by ones into int32: 32 products for 4 instructions, two of them on the multiplier ports.
+// Per block, the int32 sums become f32 and are scaled by d_w * d_x into the f32 accumulators.
 //
 // Numerics: the integer block dot products are exact, as in quant.hpp's dot kernels; each (row, token)
 // output is one chain over blocks, acc = fma(float(dot_b), d_w,b * d_x,b, acc), the same whatever the
-// tile, the batch or the thread. It sums the blocks in another order than the dot kernels of a decode
-// step (several lanes), so bulk requests of Q8_0 weights are "on tiles" (kernels::bulk_on_tiles), as the
-// float tiles are. Intrinsics live here rather than in simd.hpp, as AMX's do: a separate unit.
+// tile, the batch, the thread or the instruction set (VNNI and AVX2 builds give the same bits). It sums
+// the blocks in another order than the dot kernels of a decode step (several lanes), so bulk requests
+// of Q8_0 weights are "on tiles" (kernels::bulk_on_tiles), as the float tiles are. Intrinsics live here
+// rather than in simd.hpp, as AMX's do: a separate unit.
 #pragma once
 
 #include <pp/core/buffer.hpp>
@@ -31,6 +37,11 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define PP_HAVE_Q8_TILES 1
+#define PP_Q8_TILES_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PP_HAVE_Q8_TILES 1
+#define PP_Q8_TILES_VNNI 0
 #endif
 
 namespace pp::kernels::gemm_q8 {
@@ -39,14 +50,23 @@ namespace pp::kernels::gemm_q8 {
 inline constexpr bool kAvailable = false;
 #else
 inline constexpr bool kAvailable = true;
+// What the tiles run on, for labels (pp_bench).
+inline constexpr const char* kName = PP_Q8_TILES_VNNI ? "int8 VNNI tiles" : "int8 AVX2 tiles";
 
-inline constexpr std::size_t kBlockTokens = 32;  // two zmm of int32 lanes
-static_assert(gemm::kBlockTokens == kBlockTokens);  // results leave through gemm's store_tile
-inline constexpr int kRows = 6;                  // 12 int32 + 12 f32 accumulators, 2 token vectors, temps
+inline constexpr std::size_t kBlockTokens = gemm::kBlockTokens;  // results leave through gemm's store_tile
+inline constexpr std::size_t kQ = 32;                             // elements of a Q8_0 block
+#if PP_Q8_TILES_VNNI
+static_assert(kBlockTokens == 32);  // two zmm of int32 lanes
+inline constexpr int kRows = 6;     // 12 int32 + 12 f32 accumulators, 2 token vectors, temps
+#else
+inline constexpr std::size_t kVecs = kBlockTokens / 8;  // ymm of int32 lanes per token block
+inline constexpr int kRows = kVecs == 2 ? 2 : 1;      // 2 * kRows * kVecs accumulators + kVecs tokens + 4 of 16 ymm
+#endif
 static_assert(kRows <= gemm::detail::Scratch::kMaxRows);
-inline constexpr std::size_t kQ = 32;            // elements of a Q8_0 block
-// Packed bytes of one weight block's worth of a token block: 8 groups x 32 tokens x 4 codes, 32 scales.
-inline constexpr std::size_t kBlockBytes = 8 * kBlockTokens * 4 + kBlockTokens * 4;
+inline constexpr std::size_t kGroup = 4;             // codes a 32-bit lane holds
+inline constexpr std::size_t kGroups = kQ / kGroup;  // 32-bit lanes of a token's block
+// Packed bytes of one weight block's worth of a token block: the groups x tokens x 4 bytes, the scales.
+inline constexpr std::size_t kBlockBytes = kGroups * kBlockTokens * 4 + kBlockTokens * 4;
 
 // The activation rows (ActQ8 blocks) of a call, packed (see the top of the file); tokens past m are zero.
 struct PackedX {
@@ -68,35 +88,36 @@ inline void pack_blocks(const uint8_t* xq, PackedX& p, std::size_t tb0, std::siz
   for (std::size_t tb = tb0; tb < tb1; ++tb)
     for (std::size_t b = 0; b < p.nb; ++b) {
       uint8_t* out = p.data.data() + (tb * p.nb + b) * kBlockBytes;
-      float* scales = reinterpret_cast<float*>(out + 8 * TB * 4);
+      float* scales = reinterpret_cast<float*>(out + kGroups * TB * 4);
       for (std::size_t l = 0; l < TB; ++l) {
         const std::size_t t = tb * TB + l;
-        if (t >= p.m) {
-          for (std::size_t g = 0; g < 8; ++g) std::memset(out + (g * TB + l) * 4, 128, 4);  // code 0
-          scales[l] = 0.f;
-          continue;
+        const quant::ActQ8* a = t < p.m ? &reinterpret_cast<const quant::ActQ8*>(xq)[t * p.nb + b] : nullptr;
+        for (std::size_t g = 0; g < kGroups; ++g) {
+          uint8_t* lane = out + (g * TB + l) * 4;
+          constexpr int kOffset = PP_Q8_TILES_VNNI ? 128 : 0;  // VNNI: unsigned codes
+          for (std::size_t i = 0; i < 4; ++i) lane[i] = uint8_t(int(a ? a->qs[4 * g + i] : 0) + kOffset);
         }
-        const quant::ActQ8& a = reinterpret_cast<const quant::ActQ8*>(xq)[t * p.nb + b];
-        for (std::size_t g = 0; g < 8; ++g)
-          for (std::size_t i = 0; i < 4; ++i) out[(g * TB + l) * 4 + i] = uint8_t(int(a.qs[4 * g + i]) + 128);
-        scales[l] = a.d;
+        scales[l] = a ? a->d : 0.f;
       }
     }
 }
 
-// Per row block: each row's block scales as f32 and -128 * its block code sums.
+// Per row block: each row's block scales as f32 and (VNNI) -128 * its block code sums ([r][b]).
 struct RowBlock {
   Buffer<float> d;
   Buffer<int32_t> offset;
 };
 
-// out[r * 32 + t] for R rows of Q8_0 blocks (rows `stride` bytes apart) and token block tb of x; d and
-// offset: the rows' RowBlock values, nb a row.
+#if PP_Q8_TILES_VNNI
+// out[r * 32 + t] for R rows of Q8_0 blocks (rows `stride` bytes apart) and token block tb of x; rows:
+// their RowBlock values (nb a row).
 template <int R>
-inline void tile(const uint8_t* w, std::size_t stride, const PackedX& x, std::size_t tb, const float* d,
-                 const int32_t* offset, float* out) {
+inline void tile(const uint8_t* w, std::size_t stride, const PackedX& x, std::size_t tb, const RowBlock& rows,
+                 float* out) {
   constexpr std::size_t TB = kBlockTokens;
   const std::size_t nb = x.nb;
+  const float* d = rows.d.data();
+  const int32_t* offset = rows.offset.data();
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (std::size_t b = 0; b < nb; ++b) {
@@ -105,7 +126,7 @@ inline void tile(const uint8_t* w, std::size_t stride, const PackedX& x, std::si
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm512_set1_epi32(offset[std::size_t(r) * nb + b]);
 #pragma GCC unroll 8
-    for (std::size_t g = 0; g < 8; ++g) {
+    for (std::size_t g = 0; g < kGroups; ++g) {
       const __m512i x0 = _mm512_load_si512(xb + g * TB * 4), x1 = _mm512_load_si512(xb + g * TB * 4 + 64);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
@@ -116,7 +137,7 @@ inline void tile(const uint8_t* w, std::size_t stride, const PackedX& x, std::si
         sum[r][1] = _mm512_dpbusd_epi32(sum[r][1], x1, wq);
       }
     }
-    const float* sx = reinterpret_cast<const float*>(xb + 8 * TB * 4);
+    const float* sx = reinterpret_cast<const float*>(xb + kGroups * TB * 4);
     const __m512 s0 = _mm512_load_ps(sx), s1 = _mm512_load_ps(sx + 16);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
@@ -130,9 +151,57 @@ inline void tile(const uint8_t* w, std::size_t stride, const PackedX& x, std::si
     _mm512_store_ps(out + std::size_t(r) * TB + 16, acc[r][1]);
   }
 }
+#else
+// out[r * TB + t] for R rows of Q8_0 blocks (rows `stride` bytes apart) and token block tb of x.
+template <int R>
+inline void tile(const uint8_t* w, std::size_t stride, const PackedX& x, std::size_t tb, const RowBlock& rows,
+                 float* out) {
+  constexpr std::size_t TB = kBlockTokens, V = kVecs;
+  const std::size_t nb = x.nb;
+  const float* d = rows.d.data();
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (std::size_t v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
+  for (std::size_t b = 0; b < nb; ++b) {
+    const uint8_t* xb = x.block(tb, b);
+    __m256i sum[R][V];
+    for (int r = 0; r < R; ++r)
+      for (std::size_t v = 0; v < V; ++v) sum[r][v] = _mm256_setzero_si256();
+    // Not unrolled further: GCC then reassociates the int32 adds of a whole block into a tree of
+    // products spilled to the stack.
+#pragma GCC unroll 2
+    for (std::size_t g = 0; g < kGroups; ++g) {
+      __m256i xv[V];
+      for (std::size_t v = 0; v < V; ++v)
+        xv[v] = _mm256_load_si256(reinterpret_cast<const __m256i*>(xb + (g * TB + v * 8) * 4));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t q;
+        std::memcpy(&q, w + std::size_t(r) * stride + b * sizeof(quant::BlockQ8_0) + 2 + 4 * g, 4);
+        const __m256i wq = _mm256_set1_epi32(q), wa = _mm256_abs_epi8(wq);
+        for (std::size_t v = 0; v < V; ++v) {
+          const __m256i p16 = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv[v], wq));
+          sum[r][v] = _mm256_add_epi32(sum[r][v], _mm256_madd_epi16(p16, ones));
+        }
+      }
+    }
+    const float* sx = reinterpret_cast<const float*>(xb + kGroups * TB * 4);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 dw = _mm256_set1_ps(d[std::size_t(r) * nb + b]);
+      for (std::size_t v = 0; v < V; ++v)
+        acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][v]), _mm256_mul_ps(dw, _mm256_load_ps(sx + v * 8)),
+                                    acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (std::size_t v = 0; v < V; ++v) _mm256_store_ps(out + std::size_t(r) * TB + v * 8, acc[r][v]);
+}
+#endif
 
 namespace detail {
-using TileFn = void (*)(const uint8_t*, std::size_t, const PackedX&, std::size_t, const float*, const int32_t*, float*);
+using TileFn = void (*)(const uint8_t*, std::size_t, const PackedX&, std::size_t, const RowBlock&, float*);
 template <int... R>
 constexpr auto table(std::integer_sequence<int, R...>) {
   return std::array<TileFn, sizeof...(R)>{&tile<R + 1>...};
@@ -157,15 +226,16 @@ inline void matmul_packed(const MatView& w, const PackedX& x, float* y, std::siz
     for (std::size_t r = 0; r < rn; ++r) {
       const auto* blocks = reinterpret_cast<const quant::BlockQ8_0*>(w.row(rb + r));
       for (std::size_t b = 0; b < nb; ++b) {
+        rows.d[r * nb + b] = quant::h2f(blocks[b].d);
+        if (!PP_Q8_TILES_VNNI) continue;
         int32_t sum = 0;
         for (int8_t q : blocks[b].qs) sum += q;
-        rows.d[r * nb + b] = quant::h2f(blocks[b].d);
         rows.offset[r * nb + b] = -128 * sum;
       }
     }
   };
   gemm::for_each_tile<R>(x.blocks(), nb * kBlockBytes, r0, r1, prepare, [&](std::size_t rb, std::size_t rn, std::size_t tb) {
-    detail::kTable[rn - 1](w.row(rb), w.row_stride, x, tb, rows.d.data(), rows.offset.data(), out);
+    detail::kTable[rn - 1](w.row(rb), w.row_stride, x, tb, rows, out);
     gemm::detail::store_tile<R>(out, rn, std::min(TB, x.m - tb * TB), y + tb * TB * ys + rb, ys);
   });
 }
