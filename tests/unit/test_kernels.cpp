@@ -234,10 +234,13 @@ namespace {
 TEST(Gemm, EveryTypeAndArchAgainstOracleAndShapeInvariant) {
   std::mt19937 rng(5);
   for (pp::DType type : {pp::DType::F32, pp::DType::F16, pp::DType::BF16})
-    for (std::size_t cols : {16, 37, 64, 200, 2048})
-      for (std::size_t rows : {1, 3, 4, 9, 23}) {
+    for (std::size_t cols : {16, 37, 64, 200, 1000, 2048})
+      for (std::size_t rows : {1, 3, 4, 9, 23, 110}) {
+        if (rows == 110 && cols != 1000) continue;  // 110: several groups of row blocks (gemm::kGroupBlocks)
         const Stored w = store(type, randv(rows * cols, rng));
-        const std::size_t m = cols == 2048 ? 70 : 13;  // 2048: several token chunks (gemm::kChunkBytes)
+        // 2048: several token chunks (gemm::kChunkBytes); 1000 and 2048: several segments of k
+        // (gemm::kSegK), 1000 with a short last one.
+        const std::size_t m = cols == 2048 ? 70 : 13;
         const std::vector<float> x = randv(m * cols, rng, 2.f);
         pp::MatView mv{type, w.bytes.data(), rows, cols, pp::row_bytes(type, cols)};
         const pp::test::Dots o = pp::test::dots(w.values, x, m, rows, cols);
@@ -257,6 +260,13 @@ TEST(Gemm, EveryTypeAndArchAgainstOracleAndShapeInvariant) {
                   << A::name() << " row " << r << " token " << i;
               ASSERT_NEAR(y[i * rows + r], o.want(i, r), 1e-6 * o.mag(i, r) + 1e-30)
                   << A::name() << " type " << int(type) << " cols " << cols << " rows " << rows;
+              // One chain over k in order, however k is cut into segments (simd::fma: fused where the
+              // architecture has an FMA, a multiply and an add on SSE4.2).
+              using B = pp::simd::fbatch<A>;
+              B chain(0.f);
+              for (std::size_t j = 0; j < cols; ++j) chain = pp::simd::fma(B(w.values[r * cols + j]), B(x[i * cols + j]), chain);
+              ASSERT_EQ(std::bit_cast<uint32_t>(chain.get(0)), std::bit_cast<uint32_t>(y[i * rows + r]))
+                  << A::name() << " row " << r << " token " << i << " cols " << cols;
             }
           }
         });

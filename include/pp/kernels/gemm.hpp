@@ -105,14 +105,16 @@ inline void pack(const float* x, std::size_t m, std::size_t k, bool pairs, Packe
 inline constexpr std::size_t kPanelK = 16;
 
 // out[r * TB + t] = dot(weight row r, token t of xt) for r < R and the V * W tokens of a tile (xt and out
-// point at the tile's first token in a block of TB); w: the row block's panels.
+// point at the tile's first token in a block of TB); w: the row block's panels, k of them. With
+// `resume`, the chains go on from the values in out (the dot over the k before these).
 template <class A, int R>
-inline void tile(const float* w, const float* xt, std::size_t k, float* out) {
+inline void tile(const float* w, const float* xt, std::size_t k, float* out, bool resume) {
   using B = simd::fbatch<A>;
   constexpr std::size_t W = B::size, TB = kBlockTokens;
   B acc[R][kVecs];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kVecs; ++v) acc[r][v] = B(0.f);
+    for (int v = 0; v < kVecs; ++v)
+      acc[r][v] = resume ? B::load_aligned(out + std::size_t(r) * TB + v * W) : B(0.f);
   auto step = [&](const float* panel, std::size_t s, std::size_t j) {
     B xv[kVecs];
     for (int v = 0; v < kVecs; ++v) xv[v] = B::load_aligned(xt + s * TB + v * W);
@@ -167,7 +169,7 @@ inline void tile_bf16(const uint16_t* w, std::size_t ws, const uint32_t* xt, std
 
 namespace detail {
 
-using TileFn = void (*)(const float*, const float*, std::size_t, float*);
+using TileFn = void (*)(const float*, const float*, std::size_t, float*, bool);
 
 // kTable[R - 1]: the tile for a block of R rows (full blocks and the last one).
 template <class A, int... R>
@@ -198,9 +200,10 @@ inline void store_tile(const float* out, std::size_t rn, std::size_t tn, float* 
   for (std::size_t t = 0; t < tn; ++t) std::memcpy(y + t * ys, tr + t * RMax, rn * sizeof(float));
 }
 
-// Scratch of the calling thread: one row block's weights widened to f32, one tile's results.
+// Scratch of the calling thread: one row block's weights widened to f32, accumulators, one tile's results.
 struct Scratch {
   Buffer<float> rows;
+  Buffer<float> acc;  // matmul_packed's accumulators between segments of k
   static constexpr int kMaxRows = 16;  // of any tile here or in gemm_q8.hpp
   alignas(64) float out[kBlockTokens * kMaxRows];
 };
@@ -229,42 +232,77 @@ inline void for_each_tile(std::size_t blocks, std::size_t block_bytes, std::size
   }
 }
 
+// Values of k per segment of the exact tiles: a row block's widened segment (R x kSegK f32, 24 KiB
+// at 12 rows) stays in L1 and a chunk's tokens of one segment in L2, whatever k is (at k = 8192 a token
+// block is 0.5-1 MiB: without segments every block needed its own widening of every row block).
+inline constexpr std::size_t kSegK = 512;
+static_assert(kSegK % kPanelK == 0);
+// Row blocks whose accumulators wait between segments (in Scratch::acc, the tiles' own layout).
+inline constexpr std::size_t kGroupBlocks = 8;
+
 // y[m, w.rows] (rows [r0, r1) only) = x * w^T for float weights, x packed by pack(..., pairs = false).
+// Loops: token chunks, groups of kGroupBlocks row blocks, segments of k, the group's row blocks
+// (widened for the segment), the chunk's token blocks. Each (row, token) is still one chain over k in
+// order: a segment resumes the accumulators the last one left.
 template <class A>
 inline void matmul_packed(const MatView& w, const PackedX& x, float* y, std::size_t r0, std::size_t r1) {
   constexpr std::size_t TB = kBlockTokens, W = simd::fbatch<A>::size;
   constexpr int R = kRows<A>;
   const std::size_t k = w.cols, ys = w.rows;
-  const std::size_t kp = (k + kPanelK - 1) / kPanelK * kPanelK;
+  const std::size_t seg_bytes = std::min(k, kSegK) * TB * sizeof(float);
+  const std::size_t chunk = std::max<std::size_t>(1, kChunkBytes / seg_bytes);  // token blocks
   detail::Scratch& s = detail::scratch();
-  if (s.rows.size() < R * kp) s.rows = Buffer<float>(R * kp);
-  // Rows [rb, rb + rn) into the panels of s.rows (rn rows a panel).
-  auto widen = [&]<class WT>(WT, std::size_t rb, std::size_t rn) {
+  if (s.rows.size() < R * kSegK) s.rows = Buffer<float>(R * kSegK);
+  const std::size_t acc_words = kGroupBlocks * chunk * R * TB;
+  if (s.acc.size() < acc_words) s.acc = Buffer<float>(acc_words);
+  // Rows [rb, rb + rn), values [k0, k0 + kn) of k, into the panels of s.rows (rn rows a panel).
+  auto widen = [&]<class WT>(WT, std::size_t rb, std::size_t rn, std::size_t k0, std::size_t kn) {
     using S = typename WT::storage;
+    const std::size_t kp = (kn + kPanelK - 1) / kPanelK * kPanelK;
     for (std::size_t r = 0; r < rn; ++r) {
-      const S* src = reinterpret_cast<const S*>(w.row(rb + r));
+      const S* src = reinterpret_cast<const S*>(w.row(rb + r)) + k0;
       for (std::size_t s0 = 0; s0 < kp; s0 += kPanelK) {
         float* dst = s.rows.data() + s0 * rn + r * kPanelK;
-        if (s0 + kPanelK <= k)
+        if (s0 + kPanelK <= kn)
           for (std::size_t j = 0; j < kPanelK; j += W) simd::load<A>(WT{}, src + s0 + j).store_aligned(dst + j);
         else
-          for (std::size_t j = 0; j < kPanelK; ++j) dst[j] = s0 + j < k ? simd::load1(WT{}, src + s0 + j) : 0.f;
+          for (std::size_t j = 0; j < kPanelK; ++j) dst[j] = s0 + j < kn ? simd::load1(WT{}, src + s0 + j) : 0.f;
       }
     }
   };
-  auto prepare = [&](std::size_t rb, std::size_t rn) {
+  auto prepare = [&](std::size_t rb, std::size_t rn, std::size_t k0, std::size_t kn) {
     switch (w.type) {
-      case DType::BF16: return widen(simd::Bf16w{}, rb, rn);
-      case DType::F16: return widen(simd::F16w{}, rb, rn);
-      default: return widen(simd::F32w{}, rb, rn);
+      case DType::BF16: return widen(simd::Bf16w{}, rb, rn, k0, kn);
+      case DType::F16: return widen(simd::F16w{}, rb, rn, k0, kn);
+      default: return widen(simd::F32w{}, rb, rn, k0, kn);
     }
   };
-  for_each_tile<R>(x.blocks(), x.block_bytes(), r0, r1, prepare, [&](std::size_t rb, std::size_t rn, std::size_t b) {
-    const float* xt = reinterpret_cast<const float*>(x.block(b));
-    const std::size_t tn = std::min(TB, x.m - b * TB);
-    for (std::size_t t = 0; t < tn; t += kVecs * W) detail::kTable<A>[rn - 1](s.rows.data(), xt + t, k, s.out + t);
-    detail::store_tile<R>(s.out, rn, tn, y + b * TB * ys + rb, ys);
-  });
+  for (std::size_t c0 = 0; c0 < x.blocks(); c0 += chunk) {
+    const std::size_t c1 = std::min(x.blocks(), c0 + chunk);
+    for (std::size_t g0 = r0; g0 < r1; g0 += kGroupBlocks * R) {
+      const std::size_t g1 = std::min(r1, g0 + kGroupBlocks * R);
+      auto acc = [&](std::size_t rb, std::size_t b) {
+        return s.acc.data() + (((rb - g0) / R) * chunk + (b - c0)) * R * TB;
+      };
+      for (std::size_t k0 = 0; k0 < k; k0 += kSegK) {
+        const std::size_t kn = std::min(kSegK, k - k0);
+        for (std::size_t rb = g0; rb < g1; rb += R) {
+          const std::size_t rn = std::min<std::size_t>(R, g1 - rb);
+          prepare(rb, rn, k0, kn);
+          for (std::size_t b = c0; b < c1; ++b) {
+            const float* xt = reinterpret_cast<const float*>(x.block(b)) + k0 * TB;
+            const std::size_t tn = std::min(TB, x.m - b * TB);
+            for (std::size_t t = 0; t < tn; t += kVecs * W)
+              detail::kTable<A>[rn - 1](s.rows.data(), xt + t, kn, acc(rb, b) + t, k0 > 0);
+          }
+        }
+      }
+      for (std::size_t rb = g0; rb < g1; rb += R)
+        for (std::size_t b = c0; b < c1; ++b)
+          detail::store_tile<R>(acc(rb, b), std::min<std::size_t>(R, g1 - rb), std::min(TB, x.m - b * TB),
+                                y + b * TB * ys + rb, ys);
+    }
+  }
 }
 
 // The fast path of BF16 weights exists on this build (AVX512-BF16 compiled in).

@@ -53,8 +53,9 @@ inline const char* arch_name() {
 template <class A>
 using fbatch = xsimd::batch<float, A>;
 
-// a * b + c with one rounding on every architecture (xsimd 8.1 has no AVX-512 fma: its generic one is a
-// multiply and an add, two roundings and two instructions, under -ffp-contract=off).
+// a * b + c with one rounding on every architecture with an FMA (xsimd 8.1 has no AVX-512 fma: its generic
+// one is a multiply and an add, two roundings and two instructions, under -ffp-contract=off); SSE4.2 has
+// none, and there it is that multiply and add.
 template <class A>
 inline fbatch<A> fma(const fbatch<A>& a, const fbatch<A>& b, const fbatch<A>& c) {
 #if XSIMD_WITH_AVX512F
