@@ -277,6 +277,13 @@ inline void matmul_packed(const MatView& w, const PackedX& x, float* y, std::siz
       default: return widen(simd::F32w{}, rb, rn, k0, kn);
     }
   };
+  const std::size_t elem = w.type == DType::F32 ? 4 : 2;
+  auto prefetch = [&](std::size_t rb, std::size_t rn, std::size_t k0, std::size_t kn) {
+    for (std::size_t r = 0; r < rn; ++r) {
+      const char* p = reinterpret_cast<const char*>(w.row(rb + r)) + k0 * elem;
+      for (std::size_t o = 0; o < kn * elem; o += 64) __builtin_prefetch(p + o, 0, 3);
+    }
+  };
   for (std::size_t c0 = 0; c0 < x.blocks(); c0 += chunk) {
     const std::size_t c1 = std::min(x.blocks(), c0 + chunk);
     for (std::size_t g0 = r0; g0 < r1; g0 += kGroupBlocks * R) {
@@ -289,6 +296,10 @@ inline void matmul_packed(const MatView& w, const PackedX& x, float* y, std::siz
         for (std::size_t rb = g0; rb < g1; rb += R) {
           const std::size_t rn = std::min<std::size_t>(R, g1 - rb);
           prepare(rb, rn, k0, kn);
+          // The next row block's segment (or the group's first of the next segment) is R short runs
+          // from R rows, too short for the hardware prefetcher: fetched during this block's tiles.
+          if (rb + R < g1) prefetch(rb + R, std::min<std::size_t>(R, g1 - rb - R), k0, kn);
+          else if (k0 + kn < k) prefetch(g0, std::min<std::size_t>(R, g1 - g0), k0 + kn, std::min(kSegK, k - k0 - kn));
           for (std::size_t b = c0; b < c1; ++b) {
             const float* xt = reinterpret_cast<const float*>(x.block(b)) + k0 * TB;
             const std::size_t tn = std::min(TB, x.m - b * TB);
