@@ -135,14 +135,17 @@ inline void tile(const float* w, const float* xt, std::size_t k, float* out, boo
 #if defined(__AVX512BF16__)
 inline constexpr int kBf16Rows = 12;  // the fast tile's rows: 24 accumulators, 2 token vectors, 1 broadcast
 
-// The fast path's tile: xt packed in pairs, w R rows of bf16 `ws` elements apart, k elements each.
+// The fast path's tile: xt packed in pairs, w R rows of bf16 `ws` elements apart, k elements each; with
+// `resume`, the chains go on from the values in out.
 template <int R>
-inline void tile_bf16(const uint16_t* w, std::size_t ws, const uint32_t* xt, std::size_t k, float* out) {
+inline void tile_bf16(const uint16_t* w, std::size_t ws, const uint32_t* xt, std::size_t k, float* out, bool resume) {
   using D = simd::Bf16Dot;
   static_assert(kBlockTokens == 2 * 16);
   constexpr std::size_t TB = kBlockTokens;
   D::Acc acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = D::zero();
+  for (int r = 0; r < R; ++r)
+    if (resume) acc[r][0] = D::load_acc(out + std::size_t(r) * TB), acc[r][1] = D::load_acc(out + std::size_t(r) * TB + 16);
+    else acc[r][0] = acc[r][1] = D::zero();
   auto step = [&](std::size_t s, auto&& weight_pair) {
     const D::Vec x0 = D::load(xt + s * TB), x1 = D::load(xt + s * TB + 16);
 #pragma GCC unroll 16
@@ -180,7 +183,7 @@ template <class A>
 inline constexpr auto kTable = table<A>(std::make_integer_sequence<int, kRows<A>>{});
 
 #if defined(__AVX512BF16__)
-using Bf16TileFn = void (*)(const uint16_t*, std::size_t, const uint32_t*, std::size_t, float*);
+using Bf16TileFn = void (*)(const uint16_t*, std::size_t, const uint32_t*, std::size_t, float*, bool);
 template <int... R>
 constexpr auto bf16_table(std::integer_sequence<int, R...>) {
   return std::array<Bf16TileFn, sizeof...(R)>{&tile_bf16<R + 1>...};
@@ -215,46 +218,76 @@ inline Scratch& scratch() {
 
 }  // namespace detail
 
-// Runs `run(rb, rn, block)` over the (row block of R, token block) pairs of rows [r0, r1) and `blocks`
-// packed token blocks of `block_bytes` each: token chunks of about kChunkBytes, a chunk's blocks row
-// block by row block; `prepare(rb, rn)` first for each row block of a chunk.
-template <int R, class Prepare, class Run>
-inline void for_each_tile(std::size_t blocks, std::size_t block_bytes, std::size_t r0, std::size_t r1,
-                          Prepare&& prepare, Run&& run) {
-  const std::size_t chunk = std::max<std::size_t>(1, kChunkBytes / block_bytes);  // token blocks
+// Values of k per segment: a row block's segment of weights (R x kSegK: 24 KiB widened to f32 at 12
+// rows) stays in L1 and a chunk's tokens of one segment in L2, whatever k is. Without segments a token
+// block at k = 8192 is 0.5-1 MiB, so each chunk held one and every row block was fetched (and widened)
+// again for each block of tokens.
+inline constexpr std::size_t kSegK = 512;
+static_assert(kSegK % kPanelK == 0 && kSegK % 32 == 0);  // whole panels, bf16 pairs, Q8_0 blocks
+// Row blocks whose accumulators wait between segments (in Scratch::acc, the tiles' own layout).
+inline constexpr std::size_t kGroupBlocks = 8;
+
+// The loops of every tile kernel (float, bf16 dot, Q8_0): y[m, ys] (rows [r0, r1) only) from `blocks`
+// packed token blocks, k cut into `segs` segments, a token block's segment `seg_bytes` packed. Loops:
+// token chunks (about kChunkBytes of one segment), groups of kGroupBlocks row blocks of R, segments, the
+// group's row blocks, the chunk's token blocks. `prepare(rb, rn, seg)` readies a row block's segment,
+// `prefetch(rb, rn, seg)` asks for one ahead (the next row block's, or the group's first of the next
+// segment: R short runs from R rows, too short for the hardware prefetcher) while this one computes,
+// `tile(rb, rn, b, seg, acc, resume)` runs the segment into acc (R x kBlockTokens, the tiles' layout),
+// going on from its values when `resume`. So each (row, token) is one chain over k in order, whatever
+// the segments, chunks, groups or tasks.
+template <int R, class Prepare, class Prefetch, class Tile>
+inline void for_each_tile(std::size_t blocks, std::size_t segs, std::size_t seg_bytes, std::size_t m, float* y,
+                          std::size_t ys, std::size_t r0, std::size_t r1, Prepare&& prepare, Prefetch&& prefetch,
+                          Tile&& tile) {
+  constexpr std::size_t TB = kBlockTokens;
+  const std::size_t chunk = std::max<std::size_t>(1, kChunkBytes / seg_bytes);  // token blocks
+  detail::Scratch& s = detail::scratch();
+  const std::size_t acc_words = kGroupBlocks * chunk * R * TB;
+  if (s.acc.size() < acc_words) s.acc = Buffer<float>(acc_words);
   for (std::size_t c0 = 0; c0 < blocks; c0 += chunk) {
     const std::size_t c1 = std::min(blocks, c0 + chunk);
-    for (std::size_t rb = r0; rb < r1; rb += R) {
-      const std::size_t rn = std::min<std::size_t>(R, r1 - rb);
-      prepare(rb, rn);
-      for (std::size_t b = c0; b < c1; ++b) run(rb, rn, b);
+    for (std::size_t g0 = r0; g0 < r1; g0 += kGroupBlocks * R) {
+      const std::size_t g1 = std::min(r1, g0 + kGroupBlocks * R);
+      auto acc = [&](std::size_t rb, std::size_t b) {
+        return s.acc.data() + (((rb - g0) / R) * chunk + (b - c0)) * R * TB;
+      };
+      for (std::size_t seg = 0; seg < segs; ++seg)
+        for (std::size_t rb = g0; rb < g1; rb += R) {
+          const std::size_t rn = std::min<std::size_t>(R, g1 - rb);
+          prepare(rb, rn, seg);
+          if (rb + R < g1) prefetch(rb + R, std::min<std::size_t>(R, g1 - rb - R), seg);
+          else if (seg + 1 < segs) prefetch(g0, std::min<std::size_t>(R, g1 - g0), seg + 1);
+          for (std::size_t b = c0; b < c1; ++b) tile(rb, rn, b, seg, acc(rb, b), seg > 0);
+        }
+      for (std::size_t rb = g0; rb < g1; rb += R)
+        for (std::size_t b = c0; b < c1; ++b)
+          detail::store_tile<R>(acc(rb, b), std::min<std::size_t>(R, g1 - rb), std::min(TB, m - b * TB),
+                                y + b * TB * ys + rb, ys);
     }
   }
 }
 
-// Values of k per segment of the exact tiles: a row block's widened segment (R x kSegK f32, 24 KiB
-// at 12 rows) stays in L1 and a chunk's tokens of one segment in L2, whatever k is (at k = 8192 a token
-// block is 0.5-1 MiB: without segments every block needed its own widening of every row block).
-inline constexpr std::size_t kSegK = 512;
-static_assert(kSegK % kPanelK == 0);
-// Row blocks whose accumulators wait between segments (in Scratch::acc, the tiles' own layout).
-inline constexpr std::size_t kGroupBlocks = 8;
+// Prefetches values [k0, k0 + kn) of rows [rb, rb + rn) of w (elem bytes a value).
+inline void prefetch_rows(const MatView& w, std::size_t rb, std::size_t rn, std::size_t k0, std::size_t kn,
+                          std::size_t elem) {
+  for (std::size_t r = 0; r < rn; ++r) {
+    const char* p = reinterpret_cast<const char*>(w.row(rb + r)) + k0 * elem;
+    for (std::size_t o = 0; o < kn * elem; o += 64) __builtin_prefetch(p + o, 0, 3);
+  }
+}
 
 // y[m, w.rows] (rows [r0, r1) only) = x * w^T for float weights, x packed by pack(..., pairs = false).
-// Loops: token chunks, groups of kGroupBlocks row blocks, segments of k, the group's row blocks
-// (widened for the segment), the chunk's token blocks. Each (row, token) is still one chain over k in
-// order: a segment resumes the accumulators the last one left.
+// Each row block's segment is widened to f32 panels once per chunk, then every token block of the chunk
+// passes over it.
 template <class A>
 inline void matmul_packed(const MatView& w, const PackedX& x, float* y, std::size_t r0, std::size_t r1) {
   constexpr std::size_t TB = kBlockTokens, W = simd::fbatch<A>::size;
   constexpr int R = kRows<A>;
-  const std::size_t k = w.cols, ys = w.rows;
-  const std::size_t seg_bytes = std::min(k, kSegK) * TB * sizeof(float);
-  const std::size_t chunk = std::max<std::size_t>(1, kChunkBytes / seg_bytes);  // token blocks
+  const std::size_t k = w.cols;
   detail::Scratch& s = detail::scratch();
   if (s.rows.size() < R * kSegK) s.rows = Buffer<float>(R * kSegK);
-  const std::size_t acc_words = kGroupBlocks * chunk * R * TB;
-  if (s.acc.size() < acc_words) s.acc = Buffer<float>(acc_words);
+  const std::size_t elem = w.type == DType::F32 ? 4 : 2;
   // Rows [rb, rb + rn), values [k0, k0 + kn) of k, into the panels of s.rows (rn rows a panel).
   auto widen = [&]<class WT>(WT, std::size_t rb, std::size_t rn, std::size_t k0, std::size_t kn) {
     using S = typename WT::storage;
@@ -270,50 +303,26 @@ inline void matmul_packed(const MatView& w, const PackedX& x, float* y, std::siz
       }
     }
   };
-  auto prepare = [&](std::size_t rb, std::size_t rn, std::size_t k0, std::size_t kn) {
+  auto seg_k = [&](std::size_t seg) { return std::min(kSegK, k - seg * kSegK); };
+  auto prepare = [&](std::size_t rb, std::size_t rn, std::size_t seg) {
+    const std::size_t k0 = seg * kSegK, kn = seg_k(seg);
     switch (w.type) {
       case DType::BF16: return widen(simd::Bf16w{}, rb, rn, k0, kn);
       case DType::F16: return widen(simd::F16w{}, rb, rn, k0, kn);
       default: return widen(simd::F32w{}, rb, rn, k0, kn);
     }
   };
-  const std::size_t elem = w.type == DType::F32 ? 4 : 2;
-  auto prefetch = [&](std::size_t rb, std::size_t rn, std::size_t k0, std::size_t kn) {
-    for (std::size_t r = 0; r < rn; ++r) {
-      const char* p = reinterpret_cast<const char*>(w.row(rb + r)) + k0 * elem;
-      for (std::size_t o = 0; o < kn * elem; o += 64) __builtin_prefetch(p + o, 0, 3);
-    }
+  auto prefetch = [&](std::size_t rb, std::size_t rn, std::size_t seg) {
+    prefetch_rows(w, rb, rn, seg * kSegK, seg_k(seg), elem);
   };
-  for (std::size_t c0 = 0; c0 < x.blocks(); c0 += chunk) {
-    const std::size_t c1 = std::min(x.blocks(), c0 + chunk);
-    for (std::size_t g0 = r0; g0 < r1; g0 += kGroupBlocks * R) {
-      const std::size_t g1 = std::min(r1, g0 + kGroupBlocks * R);
-      auto acc = [&](std::size_t rb, std::size_t b) {
-        return s.acc.data() + (((rb - g0) / R) * chunk + (b - c0)) * R * TB;
-      };
-      for (std::size_t k0 = 0; k0 < k; k0 += kSegK) {
-        const std::size_t kn = std::min(kSegK, k - k0);
-        for (std::size_t rb = g0; rb < g1; rb += R) {
-          const std::size_t rn = std::min<std::size_t>(R, g1 - rb);
-          prepare(rb, rn, k0, kn);
-          // The next row block's segment (or the group's first of the next segment) is R short runs
-          // from R rows, too short for the hardware prefetcher: fetched during this block's tiles.
-          if (rb + R < g1) prefetch(rb + R, std::min<std::size_t>(R, g1 - rb - R), k0, kn);
-          else if (k0 + kn < k) prefetch(g0, std::min<std::size_t>(R, g1 - g0), k0 + kn, std::min(kSegK, k - k0 - kn));
-          for (std::size_t b = c0; b < c1; ++b) {
-            const float* xt = reinterpret_cast<const float*>(x.block(b)) + k0 * TB;
-            const std::size_t tn = std::min(TB, x.m - b * TB);
-            for (std::size_t t = 0; t < tn; t += kVecs * W)
-              detail::kTable<A>[rn - 1](s.rows.data(), xt + t, kn, acc(rb, b) + t, k0 > 0);
-          }
-        }
-      }
-      for (std::size_t rb = g0; rb < g1; rb += R)
-        for (std::size_t b = c0; b < c1; ++b)
-          detail::store_tile<R>(acc(rb, b), std::min<std::size_t>(R, g1 - rb), std::min(TB, x.m - b * TB),
-                                y + b * TB * ys + rb, ys);
-    }
-  }
+  auto tile = [&](std::size_t, std::size_t rn, std::size_t b, std::size_t seg, float* acc, bool resume) {
+    const float* xt = reinterpret_cast<const float*>(x.block(b)) + seg * kSegK * TB;
+    const std::size_t tn = std::min(TB, x.m - b * TB);
+    for (std::size_t t = 0; t < tn; t += kVecs * W) detail::kTable<A>[rn - 1](s.rows.data(), xt + t, seg_k(seg), acc + t, resume);
+  };
+  const std::size_t segs = (k + kSegK - 1) / kSegK;
+  for_each_tile<R>(x.blocks(), segs, std::min(k, kSegK) * TB * sizeof(float), x.m, y, w.rows, r0, r1, prepare, prefetch,
+                   tile);
 }
 
 // The fast path of BF16 weights exists on this build (AVX512-BF16 compiled in).
@@ -324,14 +333,19 @@ inline constexpr bool kHaveFastBf16 = simd::kHaveBf16Dot;
 inline void matmul_packed_bf16(const MatView& w, const PackedX& x, float* y, std::size_t r0, std::size_t r1) {
   constexpr std::size_t TB = kBlockTokens;
   constexpr int R = kBf16Rows;
-  const std::size_t ys = w.rows;
-  detail::Scratch& s = detail::scratch();
-  const auto no_prepare = [](std::size_t, std::size_t) {};
-  for_each_tile<R>(x.blocks(), x.block_bytes(), r0, r1, no_prepare, [&](std::size_t rb, std::size_t rn, std::size_t b) {
-    detail::kBf16Table[rn - 1](reinterpret_cast<const uint16_t*>(w.row(rb)), w.row_stride / 2, x.block(b), w.cols,
-                               s.out);
-    detail::store_tile<R>(s.out, rn, std::min(TB, x.m - b * TB), y + b * TB * ys + rb, ys);
-  });
+  const std::size_t k = w.cols;
+  auto seg_k = [&](std::size_t seg) { return std::min(kSegK, k - seg * kSegK); };
+  const auto no_prepare = [](std::size_t, std::size_t, std::size_t) {};
+  auto prefetch = [&](std::size_t rb, std::size_t rn, std::size_t seg) {
+    prefetch_rows(w, rb, rn, seg * kSegK, seg_k(seg), 2);
+  };
+  auto tile = [&](std::size_t rb, std::size_t rn, std::size_t b, std::size_t seg, float* acc, bool resume) {
+    detail::kBf16Table[rn - 1](reinterpret_cast<const uint16_t*>(w.row(rb)) + seg * kSegK, w.row_stride / 2,
+                               x.block(b) + seg * kSegK / 2 * TB, seg_k(seg), acc, resume);
+  };
+  const std::size_t segs = (k + kSegK - 1) / kSegK;
+  for_each_tile<R>(x.blocks(), segs, (std::min(k, kSegK) + 1) / 2 * TB * 4, x.m, y, w.rows, r0, r1, no_prepare,
+                   prefetch, tile);
 }
 #endif
 

@@ -109,18 +109,20 @@ struct RowBlock {
 };
 
 #if PP_Q8_TILES_VNNI
-// out[r * 32 + t] for R rows of Q8_0 blocks (rows `stride` bytes apart) and token block tb of x; rows:
-// their RowBlock values (nb a row).
+// out[r * 32 + t] for R rows of Q8_0 blocks (rows `stride` bytes apart), their blocks [b0, b1), and token
+// block tb of x; rows: their RowBlock values (nb a row). With `resume`, the chains go on from out.
 template <int R>
-inline void tile(const uint8_t* w, std::size_t stride, const PackedX& x, std::size_t tb, const RowBlock& rows,
-                 float* out) {
+inline void tile(const uint8_t* w, std::size_t stride, const PackedX& x, std::size_t tb, std::size_t b0,
+                 std::size_t b1, const RowBlock& rows, float* out, bool resume) {
   constexpr std::size_t TB = kBlockTokens;
   const std::size_t nb = x.nb;
   const float* d = rows.d.data();
   const int32_t* offset = rows.offset.data();
   __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (std::size_t b = 0; b < nb; ++b) {
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 2; ++v)
+      acc[r][v] = resume ? _mm512_load_ps(out + std::size_t(r) * TB + 16 * v) : _mm512_setzero_ps();
+  for (std::size_t b = b0; b < b1; ++b) {
     const uint8_t* xb = x.block(tb, b);
     __m512i sum[R][2];
 #pragma GCC unroll 8
@@ -152,18 +154,20 @@ inline void tile(const uint8_t* w, std::size_t stride, const PackedX& x, std::si
   }
 }
 #else
-// out[r * TB + t] for R rows of Q8_0 blocks (rows `stride` bytes apart) and token block tb of x.
+// out[r * TB + t] for R rows of Q8_0 blocks (rows `stride` bytes apart), their blocks [b0, b1), and token
+// block tb of x. With `resume`, the chains go on from out.
 template <int R>
-inline void tile(const uint8_t* w, std::size_t stride, const PackedX& x, std::size_t tb, const RowBlock& rows,
-                 float* out) {
+inline void tile(const uint8_t* w, std::size_t stride, const PackedX& x, std::size_t tb, std::size_t b0,
+                 std::size_t b1, const RowBlock& rows, float* out, bool resume) {
   constexpr std::size_t TB = kBlockTokens, V = kVecs;
   const std::size_t nb = x.nb;
   const float* d = rows.d.data();
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R][V];
   for (int r = 0; r < R; ++r)
-    for (std::size_t v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
-  for (std::size_t b = 0; b < nb; ++b) {
+    for (std::size_t v = 0; v < V; ++v)
+      acc[r][v] = resume ? _mm256_load_ps(out + std::size_t(r) * TB + v * 8) : _mm256_setzero_ps();
+  for (std::size_t b = b0; b < b1; ++b) {
     const uint8_t* xb = x.block(tb, b);
     __m256i sum[R][V];
     for (int r = 0; r < R; ++r)
@@ -201,7 +205,8 @@ inline void tile(const uint8_t* w, std::size_t stride, const PackedX& x, std::si
 #endif
 
 namespace detail {
-using TileFn = void (*)(const uint8_t*, std::size_t, const PackedX&, std::size_t, const RowBlock&, float*);
+using TileFn = void (*)(const uint8_t*, std::size_t, const PackedX&, std::size_t, std::size_t, std::size_t,
+                        const RowBlock&, float*, bool);
 template <int... R>
 constexpr auto table(std::integer_sequence<int, R...>) {
   return std::array<TileFn, sizeof...(R)>{&tile<R + 1>...};
@@ -214,18 +219,22 @@ inline RowBlock& row_block() {
 }
 }  // namespace detail
 
-// y[m, w.rows] (rows [r0, r1) only) = x * w^T for Q8_0 weights, x packed from the fast path's ActQ8 rows.
+// y[m, w.rows] (rows [r0, r1) only) = x * w^T for Q8_0 weights, x packed from the fast path's ActQ8 rows;
+// k in segments of gemm::kSegK (gemm::for_each_tile).
 inline void matmul_packed(const MatView& w, const PackedX& x, float* y, std::size_t r0, std::size_t r1) {
-  constexpr std::size_t TB = kBlockTokens;
   constexpr int R = kRows;
-  const std::size_t nb = x.nb, ys = w.rows;
+  constexpr std::size_t kSegBlocks = gemm::kSegK / kQ;
+  const std::size_t nb = x.nb;
   RowBlock& rows = detail::row_block();
-  float* out = gemm::detail::scratch().out;
   if (rows.d.size() < R * nb) rows.d = Buffer<float>(R * nb), rows.offset = Buffer<int32_t>(R * nb);
-  auto prepare = [&](std::size_t rb, std::size_t rn) {
+  auto seg_blocks = [&](std::size_t seg) {
+    return std::pair{seg * kSegBlocks, std::min(nb, (seg + 1) * kSegBlocks)};
+  };
+  auto prepare = [&](std::size_t rb, std::size_t rn, std::size_t seg) {
+    const auto [b0, b1] = seg_blocks(seg);
     for (std::size_t r = 0; r < rn; ++r) {
       const auto* blocks = reinterpret_cast<const quant::BlockQ8_0*>(w.row(rb + r));
-      for (std::size_t b = 0; b < nb; ++b) {
+      for (std::size_t b = b0; b < b1; ++b) {
         rows.d[r * nb + b] = quant::h2f(blocks[b].d);
         if (!PP_Q8_TILES_VNNI) continue;
         int32_t sum = 0;
@@ -234,10 +243,17 @@ inline void matmul_packed(const MatView& w, const PackedX& x, float* y, std::siz
       }
     }
   };
-  gemm::for_each_tile<R>(x.blocks(), nb * kBlockBytes, r0, r1, prepare, [&](std::size_t rb, std::size_t rn, std::size_t tb) {
-    detail::kTable[rn - 1](w.row(rb), w.row_stride, x, tb, rows, out);
-    gemm::detail::store_tile<R>(out, rn, std::min(TB, x.m - tb * TB), y + tb * TB * ys + rb, ys);
-  });
+  auto prefetch = [&](std::size_t rb, std::size_t rn, std::size_t seg) {
+    const auto [b0, b1] = seg_blocks(seg);
+    gemm::prefetch_rows(w, rb, rn, b0, b1 - b0, sizeof(quant::BlockQ8_0));
+  };
+  auto tile = [&](std::size_t rb, std::size_t rn, std::size_t tb, std::size_t seg, float* acc, bool resume) {
+    const auto [b0, b1] = seg_blocks(seg);
+    detail::kTable[rn - 1](w.row(rb), w.row_stride, x, tb, b0, b1, rows, acc, resume);
+  };
+  const std::size_t segs = (nb + kSegBlocks - 1) / kSegBlocks;
+  gemm::for_each_tile<R>(x.blocks(), segs, std::min(nb, kSegBlocks) * kBlockBytes, x.m, y, w.rows, r0, r1, prepare,
+                         prefetch, tile);
 }
 #endif
 

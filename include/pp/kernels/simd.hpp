@@ -236,6 +236,7 @@ struct Bf16Dot {
   static Vec load(const uint32_t* p) { return _mm512_load_si512(p); }  // 64-byte aligned: 16 bf16 pairs
   static Vec broadcast_pair(uint32_t pair) { return _mm512_set1_epi32(int(pair)); }
   static void store(float* p, Acc a) { _mm512_store_ps(p, a); }  // 64-byte aligned
+  static Acc load_acc(const float* p) { return _mm512_load_ps(p); }  // 64-byte aligned
   static Acc dot(Acc acc, Vec w, Vec x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
 };
 #else
