@@ -121,8 +121,8 @@ class Stage {
   bool fast_float() const { return fast_float_; }
   // The kernels this stage computes with, as the handshake reports them: the SIMD target, plus
   // "+bf16dot" when prompts take the fast path and the model has BF16 blocks (results then differ from
-  // an exact end's), "+q8tiles" when Q8_0 prompts run on the VNNI tiles (fast_quant, AVX512-VNNI: they
-  // sum blocks in another order than a build without them). It follows the file, not this stage's
+  // an exact end's), "+q8tiles" when Q8_0 prompts run on the int8 tiles (fast_quant, AVX512-VNNI or AVX2:
+  // the same bits on both; they sum blocks in another order than a build without them). It follows the file, not this stage's
   // range, so every stage of one model with the same settings reports the same profile.
   const std::string& kernel_profile() const { return kernel_profile_; }
   const std::shared_ptr<const Model>& model() const { return model_; }
