@@ -283,14 +283,23 @@ class Stage {
     resident_ = AnonymousRegion(total);
     std::vector<std::pair<const uint8_t*, const uint8_t*>> moved;  // old data -> copy
     std::size_t off = 0;
-    for (const auto& n : used) {
-      const gguf::TensorInfo* t = gguf_.tensor(n);
+    // In pieces, each piece's file pages released once copied: the copy is what counts now, not the
+    // file's pages as well, and a large tensor (an embedding: 0.2-1 GB) never counts twice either. The
+    // next piece is asked for (read-ahead) while one is copied: one large read instead of a page fault
+    // per read-ahead window, which a busy or slow disk turns into minutes for a few GB.
+    constexpr std::size_t kPiece = std::size_t(16) << 20;
+    for (std::size_t i = 0; i < used.size(); ++i) {
+      const gguf::TensorInfo* t = gguf_.tensor(used[i]);
+      if (i == 0) model_->file().prefetch(t->data.first(std::min(kPiece, t->n_bytes)));
       uint8_t* dst = resident_.data() + off;
-      // In pieces, each piece's file pages released once copied: the copy is what counts now, not the
-      // file's pages as well, and a large tensor (an embedding: 0.2-1 GB) never counts twice either.
-      constexpr std::size_t kPiece = std::size_t(16) << 20;
       for (std::size_t o = 0; o < t->n_bytes; o += kPiece) {
         const std::size_t n = std::min(kPiece, t->n_bytes - o);
+        if (o + n < t->n_bytes) {
+          model_->file().prefetch(t->data.subspan(o + n, std::min(kPiece, t->n_bytes - o - n)));
+        } else if (i + 1 < used.size()) {
+          const gguf::TensorInfo* next = gguf_.tensor(used[i + 1]);
+          model_->file().prefetch(next->data.first(std::min(kPiece, next->n_bytes)));
+        }
         std::memcpy(dst + o, t->data.data() + o, n);
         model_->file().release(t->data.subspan(o, n));
       }
