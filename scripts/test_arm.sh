@@ -7,6 +7,9 @@
 # Installs what it needs (root or sudo): the cross compiler, qemu-user-static, and the :arm64 multiarch
 # packages of the libraries the tests link (Debian's header-only Arch: all ones serve both machines).
 # Ends with each test's time and one "N passed, N failed" line; exits non-zero on any failure.
+# Cost (2 vCPUs): compiling is most of it (~11 CPU-min for build-arm's 13 test programs, ~5 for
+# build-arm-neon's 4); under qemu the suites take ~2 min each except unit/sampler, whose 10^5 reference
+# draws run > 15 CPU-min emulated (63 s natively).
 #   PP_ARM_JOBS=N        parallel compile jobs (default: nproc)
 #   PP_ARM_ONLY=dotprod  only the dotprod build (PP_ARM_ONLY=neon: only the plain one)
 set -uo pipefail
