@@ -7,9 +7,10 @@
 # Installs what it needs (root or sudo): the cross compiler, qemu-user-static, and the :arm64 multiarch
 # packages of the libraries the tests link (Debian's header-only Arch: all ones serve both machines).
 # Ends with each test's time and one "N passed, N failed" line; exits non-zero on any failure.
-# Cost (2 vCPUs): compiling is most of it (~11 CPU-min for build-arm's 13 test programs, ~5 for
-# build-arm-neon's 4); under qemu the suites take ~2 min each except unit/sampler, whose 10^5 reference
-# draws run > 15 CPU-min emulated (63 s natively).
+# Cost, measured on 2 shared vCPUs: compiling build-arm-neon's 4 programs took 4.6 CPU-min (all 54
+# targets of a full cross build: 25.5); under qemu build-arm-neon's tests take ~1.5 min, build-arm's unit
+# and golden tests ~2.5 min except unit/sampler, whose reference draws run > 15 CPU-min emulated (~1 min
+# natively).
 #   PP_ARM_JOBS=N        parallel compile jobs (default: nproc)
 #   PP_ARM_ONLY=dotprod  only the dotprod build (PP_ARM_ONLY=neon: only the plain one)
 set -uo pipefail
