@@ -98,6 +98,26 @@ inline fbatch<A> fma(const fbatch<A>& a, const fbatch<A>& b, const fbatch<A>& c)
     return xsimd::fma(a, b, c);
 }
 
+// x86's maxps / minps on every architecture: a > b ? a : b and a < b ? a : b, so b when either is NaN
+// (and b of -0 / +0). NEON's fmax / fmin return NaN instead; the sampler's NaN-skipping reductions need
+// the x86 rule.
+template <class A>
+inline fbatch<A> max_x86(const fbatch<A>& a, const fbatch<A>& b) {
+#if XSIMD_WITH_NEON64
+  return xsimd::select(a > b, a, b);
+#else
+  return xsimd::max(a, b);
+#endif
+}
+template <class A>
+inline fbatch<A> min_x86(const fbatch<A>& a, const fbatch<A>& b) {
+#if XSIMD_WITH_NEON64
+  return xsimd::select(a < b, a, b);
+#else
+  return xsimd::min(a, b);
+#endif
+}
+
 // The lanes of a float comparison as bits (lane i -> bit i).
 template <class A>
 inline uint32_t bitmask(const xsimd::batch_bool<float, A>& b) {
