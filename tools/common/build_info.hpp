@@ -27,10 +27,13 @@ inline constexpr bool kSanitized =
     false;
 #endif
 
-// "avx512bw + AMX tiles for prompts", "avx512bw, AMX off (PP_NO_AMX=1 or not granted)", "fma3<avx2>, no AMX".
+// "avx512bw + AMX tiles for prompts", "avx512bw, AMX off (PP_NO_AMX=1 or not granted)", "fma3<avx2>, no AMX";
+// on AArch64 the NEON target and its extensions: "neon64+dotprod", "neon64" (AMX is x86's only).
 inline std::string kernel_description() {
-  std::string s = simd::arch_name<simd::Best>();
-#if PP_HAVE_AMX
+  std::string s = simd::kernel_target();
+#if XSIMD_WITH_NEON64
+  // no tile engine to report
+#elif PP_HAVE_AMX
   s += kernels::amx::available() ? " + AMX tiles for prompts" : ", AMX compiled in but off (PP_NO_AMX=1 or not granted)";
 #else
   s += ", no AMX";

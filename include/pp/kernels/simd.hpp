@@ -2,6 +2,10 @@
 //
 // Kernels are templates over an xsimd architecture A. `Archs` lists every architecture this build can
 // run (the best first); tests run each kernel on all of them against a scalar oracle.
+//
+// x86-64: AVX-512BW, FMA3+AVX2, SSE4.2 (x86-64-v2). AArch64: neon64 (Advanced SIMD is part of the base
+// ISA), whose integer dots use sdot where the build targets it (__ARM_FEATURE_DOTPROD, e.g.
+// -march=armv8.2-a+dotprod) and widening multiplies otherwise, with the same int32 lanes either way.
 #pragma once
 
 #include <pp/core/float16.hpp>
@@ -12,6 +16,12 @@
 #include <type_traits>
 
 #include <xsimd/xsimd.hpp>
+
+#if XSIMD_WITH_NEON64
+#include <arm_neon.h>
+#elif !XSIMD_WITH_SSE4_2
+#error "pp needs x86-64-v2 (SSE4.2) or AArch64 (NEON): build with -march=x86-64-v2 or higher, or for aarch64"
+#endif
 
 namespace pp::simd {
 
@@ -27,7 +37,11 @@ using Avx2 = xsimd::fma3<xsimd::avx2>;
 #if XSIMD_WITH_SSE4_2
 using Sse42 = xsimd::sse4_2;
 #endif
+#if XSIMD_WITH_NEON64
+using Neon64 = xsimd::neon64;
+#endif
 
+#if XSIMD_WITH_SSE4_2
 using Archs = ArchList<
 #if XSIMD_WITH_AVX512BW
     Avx512,
@@ -36,6 +50,9 @@ using Archs = ArchList<
     Avx2,
 #endif
     Sse42>;
+#else
+using Archs = ArchList<Neon64>;
+#endif
 
 template <class L>
 struct First;
@@ -48,6 +65,23 @@ using Best = First<Archs>::type;
 template <class A>
 inline const char* arch_name() {
   return A::name();
+}
+
+// The kernel target of this build as the tools print it (--version): the best architecture's name, on
+// AArch64 "neon64" and the extensions the integer and bf16 kernels use ("neon64+dotprod").
+inline const char* kernel_target() {
+#if XSIMD_WITH_NEON64
+  return "neon64"
+#if defined(__ARM_FEATURE_DOTPROD)
+         "+dotprod"
+#endif
+#if defined(__ARM_FEATURE_BF16_VECTOR_ARITHMETIC)
+         "+bf16"
+#endif
+      ;
+#else
+  return arch_name<Best>();
+#endif
 }
 
 template <class A>
@@ -65,6 +99,26 @@ inline fbatch<A> fma(const fbatch<A>& a, const fbatch<A>& b, const fbatch<A>& c)
     return xsimd::fma(a, b, c);
 }
 
+// x86's maxps / minps on every architecture: a > b ? a : b and a < b ? a : b, so b when either is NaN
+// (and b of -0 / +0). NEON's fmax / fmin return NaN instead; the sampler's NaN-skipping reductions need
+// the x86 rule.
+template <class A>
+inline fbatch<A> max_x86(const fbatch<A>& a, const fbatch<A>& b) {
+#if XSIMD_WITH_NEON64
+  return xsimd::select(a > b, a, b);
+#else
+  return xsimd::max(a, b);
+#endif
+}
+template <class A>
+inline fbatch<A> min_x86(const fbatch<A>& a, const fbatch<A>& b) {
+#if XSIMD_WITH_NEON64
+  return xsimd::select(a < b, a, b);
+#else
+  return xsimd::min(a, b);
+#endif
+}
+
 // The lanes of a float comparison as bits (lane i -> bit i).
 template <class A>
 inline uint32_t bitmask(const xsimd::batch_bool<float, A>& b) {
@@ -76,7 +130,14 @@ inline uint32_t bitmask(const xsimd::batch_bool<float, A>& b) {
   if constexpr (std::is_base_of_v<xsimd::avx, A>) return uint32_t(_mm256_movemask_ps(b));
   else
 #endif
+#if XSIMD_WITH_NEON64
+  {
+    static constexpr uint32_t kBit[4] = {1, 2, 4, 8};
+    return vaddvq_u32(vandq_u32(uint32x4_t(b), vld1q_u32(kBit)));
+  }
+#else
     return uint32_t(_mm_movemask_ps(b));
+#endif
 }
 
 // f's first half of lanes (lo) and second half (hi), widened to f64 (exact).
@@ -96,8 +157,13 @@ inline void widen(const fbatch<A>& f, xsimd::batch<double, A>& lo, xsimd::batch<
   } else
 #endif
   {
+#if XSIMD_WITH_NEON64
+    lo = D(vcvt_f64_f32(vget_low_f32(f)));
+    hi = D(vcvt_high_f64_f32(f));
+#else
     lo = D(_mm_cvtps_pd(f));
     hi = D(_mm_cvtps_pd(_mm_movehl_ps(f, f)));
+#endif
   }
 }
 
@@ -206,6 +272,15 @@ inline __m128 widen_f16(const uint16_t* p, const xsimd::sse4_2&) {
   return _mm_or_ps(r, _mm_castsi128_ps(sign));
 }
 #endif
+#if XSIMD_WITH_NEON64
+inline float32x4_t widen_bf16(const uint16_t* p, const xsimd::neon64&) {
+  return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16));
+}
+// fcvtl: exact for every f16 value (subnormals, inf, NaN).
+inline float32x4_t widen_f16(const uint16_t* p, const xsimd::neon64&) {
+  return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
+}
+#endif
 
 template <class A>
 inline fbatch<A> load(Bf16w, const uint16_t* p) {
@@ -297,6 +372,19 @@ inline __m256i widen_u8(const uint8_t* p, const xsimd::avx2&) {
 }
 inline __m256i widen_i8(const int8_t* p, const xsimd::avx2&) {
   return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+#if XSIMD_WITH_NEON64
+inline uint8x8_t load4_bytes_neon(const void* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return vreinterpret_u8_u32(vdup_n_u32(v));
+}
+inline int32x4_t widen_u8(const uint8_t* p, const xsimd::neon64&) {
+  return vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(vmovl_u8(load4_bytes_neon(p)))));
+}
+inline int32x4_t widen_i8(const int8_t* p, const xsimd::neon64&) {
+  return vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_u8(load4_bytes_neon(p)))));
 }
 #endif
 #if XSIMD_WITH_SSE4_2
@@ -510,6 +598,110 @@ inline __m128i dot_ss(__m128i acc, Bytes128x2 w, Bytes128x2 s, const xsimd::sse4
 Bytes128x2 bytes32_of(const xsimd::sse4_2&);
 Shorts128x2 shorts16_of(const xsimd::sse4_2&);
 xsimd::sse4_2 int_arch_of(const xsimd::sse4_2&);
+#endif
+
+#if XSIMD_WITH_NEON64
+// AArch64: the group in two 128-bit halves (elements 0..15 in lo, 16..31 in hi), as on SSE4.2. Every code
+// fits a signed byte (unsigned codes are at most 63, signed ones -128..127, activations -127..127), so
+// one signed x signed dot serves dot_us and dot_ss. Lane i of a 16-byte dot is the sum of the products
+// of bytes 4i .. 4i + 3 (sdot's lanes); the plain-NEON form builds the same lanes from exact int16
+// products, so both builds give the same int32 lanes and so the same float results.
+struct NeonBytes32 {
+  uint8x16_t lo, hi;
+  static uint8x16_t m8(uint8_t b) { return vdupq_n_u8(b); }
+  static uint8x16_t ld(const void* p) { return vld1q_u8(static_cast<const uint8_t*>(p)); }
+  static NeonBytes32 load(const void* p) { return {ld(p), ld(static_cast<const uint8_t*>(p) + 16)}; }
+  static NeonBytes32 nibbles(const uint8_t* q16) {
+    const uint8x16_t x = ld(q16);
+    return {vandq_u8(x, m8(0x0f)), vshrq_n_u8(x, 4)};
+  }
+  static NeonBytes32 low_nibbles(const uint8_t* q32) {
+    return {vandq_u8(ld(q32), m8(0x0f)), vandq_u8(ld(q32 + 16), m8(0x0f))};
+  }
+  static NeonBytes32 high_nibbles(const uint8_t* q32) { return {vshrq_n_u8(ld(q32), 4), vshrq_n_u8(ld(q32 + 16), 4)}; }
+  // byte e = 16 where bit e of `bits` is set.
+  static NeonBytes32 bit4_of_mask(uint32_t bits) {
+    static constexpr uint8_t kSel[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    const uint8x16_t sel = vld1q_u8(kSel);
+    auto half = [&](uint32_t b16) {  // bits of elements 16h .. 16h + 15
+      const uint8x16_t spread = vcombine_u8(vdup_n_u8(uint8_t(b16)), vdup_n_u8(uint8_t(b16 >> 8)));
+      return vandq_u8(vtstq_u8(spread, sel), m8(0x10));
+    };
+    return {half(bits & 0xffff), half(bits >> 16)};
+  }
+  // byte e = 16 where bit b of q32[e] is set.
+  static NeonBytes32 bit4_of_bytes(const uint8_t* q32, int b) {
+    const uint8x16_t sel = m8(uint8_t(1u << b));
+    return {vandq_u8(vtstq_u8(ld(q32), sel), m8(0x10)), vandq_u8(vtstq_u8(ld(q32 + 16), sel), m8(0x10))};
+  }
+  // byte e = ((q32[e] >> s) & 3) << 4.
+  static NeonBytes32 bits45_of_bytes(const uint8_t* q32, int s) {
+    const int8x16_t right = vdupq_n_s8(int8_t(-s));
+    auto half = [&](const uint8_t* p) { return vshlq_n_u8(vandq_u8(vshlq_u8(ld(p), right), m8(3)), 4); };
+    return {half(q32), half(q32 + 16)};
+  }
+  friend NeonBytes32 operator|(NeonBytes32 a, NeonBytes32 b) { return {vorrq_u8(a.lo, b.lo), vorrq_u8(a.hi, b.hi)}; }
+  NeonBytes32 minus(int8_t k) const { return {vsubq_u8(lo, m8(uint8_t(k))), vsubq_u8(hi, m8(uint8_t(k)))}; }
+};
+
+struct NeonShorts16 {
+  int16x8_t lo, hi;  // lanes 0..7, 8..15
+  static NeonShorts16 load(const int16_t* p) { return {vld1q_s16(p), vld1q_s16(p + 8)}; }
+  static NeonShorts16 pairs_u8(const uint8_t* m8) {
+    const int16x8_t x = vreinterpretq_s16_u16(vmovl_u8(vld1_u8(m8)));
+    return {vzip1q_s16(x, x), vzip2q_s16(x, x)};
+  }
+  static NeonShorts16 widen_i8(const int8_t* s16) {
+    const int8x16_t x = vld1q_s8(s16);
+    return {vmovl_s8(vget_low_s8(x)), vmovl_high_s8(x)};
+  }
+  // The multipliers of 32-group g in dot_us_scaled: every lane of lo = lane 2g (elements 0..15), of hi =
+  // lane 2g + 1 (elements 16..31).
+  NeonShorts16 group(int g) const {
+    alignas(16) int16_t t[16];
+    vst1q_s16(t, lo);
+    vst1q_s16(t + 8, hi);
+    return {vdupq_n_s16(t[2 * g]), vdupq_n_s16(t[2 * g + 1])};
+  }
+};
+
+// The four lanes of sdot over 16 byte products (see NeonBytes32), without adding an accumulator.
+inline int32x4_t dot16(uint8x16_t a, uint8x16_t b) {
+  const int8x16_t x = vreinterpretq_s8_u8(a), y = vreinterpretq_s8_u8(b);
+#if defined(__ARM_FEATURE_DOTPROD)
+  return vdotq_s32(vdupq_n_s32(0), x, y);
+#else
+  // Products are exact in int16 (|x * y| <= 128 * 128); pairs, then pairs of pairs, in int32.
+  const int32x4_t p0 = vpaddlq_s16(vmull_s8(vget_low_s8(x), vget_low_s8(y)));  // bytes 0-1, 2-3, 4-5, 6-7
+  const int32x4_t p1 = vpaddlq_s16(vmull_high_s8(x, y));                        // bytes 8-9, ..., 14-15
+  return vpaddq_s32(p0, p1);                                                     // bytes 0-3, ..., 12-15
+#endif
+}
+
+inline int32x4_t dot_ss(int32x4_t acc, NeonBytes32 w, NeonBytes32 s, const xsimd::neon64&) {
+#if defined(__ARM_FEATURE_DOTPROD)
+  return vdotq_s32(vdotq_s32(acc, vreinterpretq_s8_u8(w.lo), vreinterpretq_s8_u8(s.lo)), vreinterpretq_s8_u8(w.hi),
+                   vreinterpretq_s8_u8(s.hi));
+#else
+  return vaddq_s32(acc, vaddq_s32(dot16(w.lo, s.lo), dot16(w.hi, s.hi)));
+#endif
+}
+inline int32x4_t dot_us(int32x4_t acc, NeonBytes32 u, NeonBytes32 s, const xsimd::neon64& a) {
+  return dot_ss(acc, u, s, a);
+}
+inline int32x4_t dot_us_scaled(int32x4_t acc, NeonBytes32 u, NeonBytes32 s, NeonShorts16 sc, const xsimd::neon64&) {
+  acc = vmlaq_s32(acc, dot16(u.lo, s.lo), vmovl_s16(vget_low_s16(sc.lo)));
+  return vmlaq_s32(acc, dot16(u.hi, s.hi), vmovl_s16(vget_low_s16(sc.hi)));
+}
+inline int32x4_t madd(NeonShorts16 a, NeonShorts16 b, const xsimd::neon64&) {
+  int32x4_t r = vmull_s16(vget_low_s16(a.lo), vget_low_s16(b.lo));
+  r = vmlal_high_s16(r, a.lo, b.lo);
+  r = vmlal_s16(r, vget_low_s16(a.hi), vget_low_s16(b.hi));
+  return vmlal_high_s16(r, a.hi, b.hi);
+}
+NeonBytes32 bytes32_of(const xsimd::neon64&);
+NeonShorts16 shorts16_of(const xsimd::neon64&);
+xsimd::neon64 int_arch_of(const xsimd::neon64&);
 #endif
 
 // The 32-code group type of arch A, its 16 x int16 type, and the arch of its int32 / float partial sums.

@@ -101,7 +101,7 @@ using SD = xsimd::batch<double, SA>;
 inline constexpr std::size_t kSW = SF::size;
 
 // Over the logits: the largest non-NaN one (-inf when there is none) and the number of non-NaN ones; one
-// vectorised pass (max(v, m) is m when v is NaN, as `v > m ? v : m`).
+// vectorised pass (max(v, m) is m when v is NaN, as `v > m ? v : m`: simd::max_x86).
 struct LogitStats {
   float max;
   std::size_t count;
@@ -113,12 +113,12 @@ inline LogitStats max_count(std::span<const float> l) {
   std::size_t i = 0;
   for (; i + 2 * kSW <= nv; i += 2 * kSW) {
     const SF a = SF::load_unaligned(&l[i]), b = SF::load_unaligned(&l[i + kSW]);
-    m0 = xsimd::max(a, m0), m1 = xsimd::max(b, m1);
+    m0 = simd::max_x86<SA>(a, m0), m1 = simd::max_x86<SA>(b, m1);
     count += std::size_t(std::popcount(simd::bitmask<SA>(a == a))) + std::size_t(std::popcount(simd::bitmask<SA>(b == b)));
   }
   for (; i < nv; i += kSW) {
     const SF a = SF::load_unaligned(&l[i]);
-    m0 = xsimd::max(a, m0), count += std::size_t(std::popcount(simd::bitmask<SA>(a == a)));
+    m0 = simd::max_x86<SA>(a, m0), count += std::size_t(std::popcount(simd::bitmask<SA>(a == a)));
   }
   alignas(64) float mm[kSW];
   xsimd::max(m1, m0).store_aligned(mm);
@@ -135,7 +135,7 @@ inline float min_finite(std::span<const float> l) {
   std::size_t i = 0;
   for (; i < nv; i += kSW) {
     const SF a = SF::load_unaligned(&l[i]);
-    m0 = xsimd::min(xsimd::select(a == ninf, inf, a), m0);  // NaN: m0
+    m0 = simd::min_x86<SA>(xsimd::select(a == ninf, inf, a), m0);  // NaN: m0
   }
   alignas(64) float mm[kSW];
   m0.store_aligned(mm);
