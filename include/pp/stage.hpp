@@ -288,18 +288,15 @@ class Stage {
     // next piece is asked for (read-ahead) while one is copied: one large read instead of a page fault
     // per read-ahead window, which a busy or slow disk turns into minutes for a few GB.
     constexpr std::size_t kPiece = std::size_t(16) << 20;
+    auto piece = [&](std::span<const uint8_t> d, std::size_t o) { return d.subspan(o, std::min(kPiece, d.size() - o)); };
+    if (!used.empty()) model_->file().prefetch(piece(gguf_.tensor(used[0])->data, 0));
     for (std::size_t i = 0; i < used.size(); ++i) {
       const gguf::TensorInfo* t = gguf_.tensor(used[i]);
-      if (i == 0) model_->file().prefetch(t->data.first(std::min(kPiece, t->n_bytes)));
       uint8_t* dst = resident_.data() + off;
       for (std::size_t o = 0; o < t->n_bytes; o += kPiece) {
         const std::size_t n = std::min(kPiece, t->n_bytes - o);
-        if (o + n < t->n_bytes) {
-          model_->file().prefetch(t->data.subspan(o + n, std::min(kPiece, t->n_bytes - o - n)));
-        } else if (i + 1 < used.size()) {
-          const gguf::TensorInfo* next = gguf_.tensor(used[i + 1]);
-          model_->file().prefetch(next->data.first(std::min(kPiece, next->n_bytes)));
-        }
+        if (o + n < t->n_bytes) model_->file().prefetch(piece(t->data, o + n));
+        else if (i + 1 < used.size()) model_->file().prefetch(piece(gguf_.tensor(used[i + 1])->data, 0));
         std::memcpy(dst + o, t->data.data() + o, n);
         model_->file().release(t->data.subspan(o, n));
       }

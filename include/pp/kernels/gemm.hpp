@@ -203,12 +203,11 @@ inline void store_tile(const float* out, std::size_t rn, std::size_t tn, float* 
   for (std::size_t t = 0; t < tn; ++t) std::memcpy(y + t * ys, tr + t * RMax, rn * sizeof(float));
 }
 
-// Scratch of the calling thread: one row block's weights widened to f32, accumulators, one tile's results.
+// Scratch of the calling thread: one row block's weights widened to f32, the tiles' accumulators.
 struct Scratch {
   Buffer<float> rows;
-  Buffer<float> acc;  // matmul_packed's accumulators between segments of k
-  static constexpr int kMaxRows = 16;  // of any tile here or in gemm_q8.hpp
-  alignas(64) float out[kBlockTokens * kMaxRows];
+  Buffer<float> acc;  // for_each_tile's accumulators between segments of k
+  static constexpr int kMaxRows = 16;  // of any tile here or in gemm_q8.hpp (store_tile's bound)
 };
 static_assert(kRows<simd::Best> <= Scratch::kMaxRows);
 inline Scratch& scratch() {
@@ -226,6 +225,9 @@ inline constexpr std::size_t kSegK = 512;
 static_assert(kSegK % kPanelK == 0 && kSegK % 32 == 0);  // whole panels, bf16 pairs, Q8_0 blocks
 // Row blocks whose accumulators wait between segments (in Scratch::acc, the tiles' own layout).
 inline constexpr std::size_t kGroupBlocks = 8;
+// Segments of k values, and the length of segment `seg`.
+inline constexpr std::size_t seg_count(std::size_t k) { return (k + kSegK - 1) / kSegK; }
+inline constexpr std::size_t seg_len(std::size_t k, std::size_t seg) { return std::min(kSegK, k - seg * kSegK); }
 
 // The loops of every tile kernel (float, bf16 dot, Q8_0): y[m, ys] (rows [r0, r1) only) from `blocks`
 // packed token blocks, k cut into `segs` segments, a token block's segment `seg_bytes` packed. Loops:
@@ -303,9 +305,8 @@ inline void matmul_packed(const MatView& w, const PackedX& x, float* y, std::siz
       }
     }
   };
-  auto seg_k = [&](std::size_t seg) { return std::min(kSegK, k - seg * kSegK); };
   auto prepare = [&](std::size_t rb, std::size_t rn, std::size_t seg) {
-    const std::size_t k0 = seg * kSegK, kn = seg_k(seg);
+    const std::size_t k0 = seg * kSegK, kn = seg_len(k, seg);
     switch (w.type) {
       case DType::BF16: return widen(simd::Bf16w{}, rb, rn, k0, kn);
       case DType::F16: return widen(simd::F16w{}, rb, rn, k0, kn);
@@ -313,15 +314,14 @@ inline void matmul_packed(const MatView& w, const PackedX& x, float* y, std::siz
     }
   };
   auto prefetch = [&](std::size_t rb, std::size_t rn, std::size_t seg) {
-    prefetch_rows(w, rb, rn, seg * kSegK, seg_k(seg), elem);
+    prefetch_rows(w, rb, rn, seg * kSegK, seg_len(k, seg), elem);
   };
   auto tile = [&](std::size_t, std::size_t rn, std::size_t b, std::size_t seg, float* acc, bool resume) {
     const float* xt = reinterpret_cast<const float*>(x.block(b)) + seg * kSegK * TB;
     const std::size_t tn = std::min(TB, x.m - b * TB);
-    for (std::size_t t = 0; t < tn; t += kVecs * W) detail::kTable<A>[rn - 1](s.rows.data(), xt + t, seg_k(seg), acc + t, resume);
+    for (std::size_t t = 0; t < tn; t += kVecs * W) detail::kTable<A>[rn - 1](s.rows.data(), xt + t, seg_len(k, seg), acc + t, resume);
   };
-  const std::size_t segs = (k + kSegK - 1) / kSegK;
-  for_each_tile<R>(x.blocks(), segs, std::min(k, kSegK) * TB * sizeof(float), x.m, y, w.rows, r0, r1, prepare, prefetch,
+  for_each_tile<R>(x.blocks(), seg_count(k), std::min(k, kSegK) * TB * sizeof(float), x.m, y, w.rows, r0, r1, prepare, prefetch,
                    tile);
 }
 
@@ -334,17 +334,15 @@ inline void matmul_packed_bf16(const MatView& w, const PackedX& x, float* y, std
   constexpr std::size_t TB = kBlockTokens;
   constexpr int R = kBf16Rows;
   const std::size_t k = w.cols;
-  auto seg_k = [&](std::size_t seg) { return std::min(kSegK, k - seg * kSegK); };
   const auto no_prepare = [](std::size_t, std::size_t, std::size_t) {};
   auto prefetch = [&](std::size_t rb, std::size_t rn, std::size_t seg) {
-    prefetch_rows(w, rb, rn, seg * kSegK, seg_k(seg), 2);
+    prefetch_rows(w, rb, rn, seg * kSegK, seg_len(k, seg), 2);
   };
   auto tile = [&](std::size_t rb, std::size_t rn, std::size_t b, std::size_t seg, float* acc, bool resume) {
     detail::kBf16Table[rn - 1](reinterpret_cast<const uint16_t*>(w.row(rb)) + seg * kSegK, w.row_stride / 2,
-                               x.block(b) + seg * kSegK / 2 * TB, seg_k(seg), acc, resume);
+                               x.block(b) + seg * kSegK / 2 * TB, seg_len(k, seg), acc, resume);
   };
-  const std::size_t segs = (k + kSegK - 1) / kSegK;
-  for_each_tile<R>(x.blocks(), segs, (std::min(k, kSegK) + 1) / 2 * TB * 4, x.m, y, w.rows, r0, r1, no_prepare,
+  for_each_tile<R>(x.blocks(), seg_count(k), (std::min(k, kSegK) + 1) / 2 * TB * 4, x.m, y, w.rows, r0, r1, no_prepare,
                    prefetch, tile);
 }
 #endif
