@@ -125,6 +125,19 @@ class Stage {
   // the same bits on both; they sum blocks in another order than a build without them). It follows the file, not this stage's
   // range, so every stage of one model with the same settings reports the same profile.
   const std::string& kernel_profile() const { return kernel_profile_; }
+  // The same, before any stage of `model` is built with `opt` (a coordinator's handshake may go out
+  // while its stage is still loading).
+  static std::string kernel_profile_for(const Model& model, const StageOptions& opt) {
+    const bool fast_float = opt.fast_float.value_or(kernels::fast_float_default()) && kernels::gemm::kHaveFastBf16;
+    bool bf16_blocks = false, q8_blocks = false;
+    for (const gguf::TensorInfo& t : model.gguf().tensors) {
+      if (!t.name.starts_with("blk.")) continue;
+      bf16_blocks = bf16_blocks || t.type == gguf::TensorType::BF16;
+      q8_blocks = q8_blocks || t.type == gguf::TensorType::Q8_0;
+    }
+    return std::string(simd::Best::name()) + (fast_float && bf16_blocks ? "+bf16dot" : "") +
+           (q8_blocks && kernels::bulk_on_tiles(DType::Q8_0, opt.fast_quant) ? "+q8tiles" : "");
+  }
   const std::shared_ptr<const Model>& model() const { return model_; }
   const gguf::File& gguf() const { return gguf_; }
   const MappedFile& file() const { return model_->file(); }
@@ -237,14 +250,7 @@ class Stage {
     max_rows_ = std::max<std::size_t>(1, std::min(opt.max_rows, ctx_));
     fast_quant_ = opt.fast_quant;
     fast_float_ = opt.fast_float.value_or(kernels::fast_float_default()) && kernels::gemm::kHaveFastBf16;
-    bool bf16_blocks = false, q8_blocks = false;
-    for (const gguf::TensorInfo& t : gguf_.tensors) {
-      if (!t.name.starts_with("blk.")) continue;
-      bf16_blocks = bf16_blocks || t.type == gguf::TensorType::BF16;
-      q8_blocks = q8_blocks || t.type == gguf::TensorType::Q8_0;
-    }
-    kernel_profile_ = std::string(simd::Best::name()) + (fast_float_ && bf16_blocks ? "+bf16dot" : "") +
-                      (q8_blocks && kernels::bulk_on_tiles(DType::Q8_0, fast_quant_) ? "+q8tiles" : "");
+    kernel_profile_ = kernel_profile_for(*model_, opt);
     pool_ = std::make_unique<ThreadPool>(opt.threads);
     scratch_ = Scratch(cfg_, max_rows_, ctx_, pool_->size());
     rope_ = Rope(cfg_.head_dim, cfg_.rope_base, llama::rope_freq_factors(gguf_, cfg_));

@@ -371,6 +371,41 @@ TEST_F(ServeTwoStages, LongTokenIdPromptMatchesTheGenerator) {
   EXPECT_EQ(tokens_of(r.body), reference(prompt, 8));
 }
 
+// While another generation decodes, a long prompt goes down the chain in paced pieces (as many rows as
+// cost about half a decoding batch, at least kernels::kBulkRows): its tokens are still the generator's,
+// which feeds it in one piece.
+TEST_F(ServeTwoStages, PromptFedInPacedPiecesBesideADecodingStreamMatchesTheGenerator) {
+  std::atomic<int> chunks{0};
+  std::atomic<bool> stop{false};
+  std::thread stream([&] {
+    auto c = p().client(60s);
+    httplib::Request q;
+    q.method = "POST";
+    q.path = "/v1/completions";
+    q.body = json{{"prompt", "Never ending"}, {"max_tokens", 1900}, {"temperature", 0}, {"ignore_eos", true}, {"stream", true}}.dump();
+    q.set_header("Content-Type", "application/json");
+    q.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) {
+      ++chunks;
+      return !stop.load();
+    };
+    c->send(q);
+  });
+  const auto t0 = Clock::now();
+  while (chunks.load() < 2 && Clock::now() - t0 < pp::test::slack(20s)) std::this_thread::sleep_for(5ms);
+  const int before = chunks.load();
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 300; ++i) prompt.push_back(1000 + (i * 7919 + 13) % 50000);
+  const Reply r = post(p(), "/v1/completions",
+                       R"({"prompt":)" + ids_json(prompt) + R"(,"max_tokens":8,"temperature":0,"return_tokens":true})");
+  const int during = chunks.load() - before;
+  stop.store(true);
+  stream.join();
+  ASSERT_GE(before, 2) << "the other generation did not stream";
+  ASSERT_EQ(r.status, 200) << r.raw;
+  EXPECT_EQ(tokens_of(r.body), reference(prompt, 8));
+  EXPECT_GT(during, 0) << "the other generation was not decoding while the prompt was fed";
+}
+
 TEST_F(ServeTwoStages, StreamedCompletionsAndChatMatchTheGenerator) {
   pp::SamplingParams sp;
   sp.temperature = 1.1, sp.seed = 99;

@@ -26,6 +26,7 @@
 #include "pp/text/stop_strings.hpp"
 #include "pp/io/gguf.hpp"
 #include "pp/io/mmap.hpp"
+#include "pp/net/coordinator/scheduler.hpp"
 #include "pp/net/mux_frame.hpp"
 
 namespace {
@@ -143,6 +144,93 @@ TEST(CutPlan, ASplitThatCannotFitIsRefusedNamingTheStageAndTheShortfall) {
   const auto p = pp::node::plan_cuts({probe("coordinator", 10, 2), probe("10.0.0.2:52100", 10, 2)}, 16, 1);
   EXPECT_EQ(p.layers[0] + p.layers[1], 16);
   for (std::size_t i = 0; i < 2; ++i) EXPECT_LE(p.weights[i] + p.kv[i], uint64_t(0.9 * double(2ull << 30)));
+}
+
+// A prompt's pieces: whatever share the scheduler asks for (a paced one while others decode), a prompt
+// of kBulkRows rows or more is cut only into pieces of kBulkRows or more (the bulk path, as in one
+// piece), each within the batch's rows and the KV capacity, together exactly the prompt.
+TEST(PrefillChunks, EveryPieceOfABulkPromptStaysBulkAndFits) {
+  using C = pp::net::Coordinator;
+  constexpr std::size_t kBulk = pp::kernels::kBulkRows;
+  for (const std::size_t ctx : {std::size_t(4096), std::size_t(200), std::size_t(128), std::size_t(40)}) {
+    const std::size_t cap = std::min(C::kBatchRows, ctx);
+    for (std::size_t left0 = 1; left0 <= 700; ++left0) {
+      for (const std::size_t want : {std::size_t(0), std::size_t(1), kBulk - 1, kBulk, kBulk + 5, 2 * kBulk, std::size_t(48),
+                                     std::size_t(100), C::kPrefillChunk, std::size_t(1000)}) {
+        std::size_t left = left0, pieces = 0;
+        while (left > 0) {
+          const std::size_t n = C::feed_rows(left, ctx, want);
+          ASSERT_GE(n, 1u);
+          ASSERT_LE(n, std::max(cap, std::min(left, kBulk)));
+          if (left0 >= kBulk && cap > 2 * kBulk) {
+            ASSERT_GE(n, kBulk) << "left " << left << " of " << left0 << " want " << want;
+          }
+          if (left0 < kBulk) {
+            ASSERT_EQ(n, left0) << "a short prompt goes in one piece";
+          }
+          left -= n;
+          ++pieces;
+        }
+        // Pieces are as large as asked (up to the cap), not smaller: the pacing holds.
+        const std::size_t asked = std::clamp(want, std::min(kBulk, cap), cap);
+        EXPECT_LE(pieces, (left0 + asked - 1) / asked + 1) << left0 << " " << want << " " << ctx;
+      }
+    }
+  }
+  // The old chunking is what a prompt alone gets.
+  EXPECT_EQ(C::feed_rows(300, 4096), 128u);
+  EXPECT_EQ(C::feed_rows(140, 4096), 124u);
+  EXPECT_EQ(C::feed_rows(20, 4096, 16), 20u);
+  EXPECT_EQ(C::feed_rows(40, 4096, 16), 16u);
+  EXPECT_EQ(C::feed_rows(24, 4096, 16), 24u);
+}
+
+// A local coordinator (every layer in this process, the same scheduler): a long prompt fed in paced
+// pieces beside a decoding generation has the logits, bit for bit, it has when it runs alone (in
+// kPrefillChunk pieces).
+TEST(PrefillChunks, PacedPromptBesideADecodingGenerationHasTheLogitsOfOneAlone) {
+  const auto model = pp::Model::open((pp::test::data_dir() / "golden-tiny" / "golden-tiny-bf16.gguf").string());
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 300; ++i) prompt.push_back(int32_t((i * 7 + 3) % 500));
+  auto digests = [&](bool beside) {
+    pp::net::CoordinatorConfig cfg;
+    cfg.model = model;
+    cfg.threads = 1;
+    cfg.ctx = 1024;
+    pp::net::Coordinator c(cfg);
+    c.load_stage();
+    c.connect();
+    c.start();
+    std::shared_ptr<pp::net::GenStream> other;
+    std::vector<pp::net::GenStream::Piece> got;
+    if (beside) {
+      pp::net::GenParams g;
+      g.max_tokens = 1000;
+      g.ignore_eos = true;
+      other = c.submit({1, 2, 3}, g);
+      while (got.empty() && other->next(got, std::chrono::milliseconds(100))) {
+      }
+    }
+    pp::net::GenParams g;
+    g.max_tokens = 4;
+    g.ignore_eos = true;
+    g.digest_tokens = 4;
+    const auto s = c.submit(prompt, g);
+    std::vector<pp::net::GenStream::Piece> pieces;
+    while (s->next(pieces, std::chrono::milliseconds(100))) {
+    }
+    EXPECT_EQ(s->finish(), pp::net::Finish::length) << s->error();
+    std::vector<std::string> out;
+    for (const auto& p : pieces) out.push_back(p.digest ? pp::to_hex(*p.digest) : "none");
+    if (other) {
+      EXPECT_FALSE(other->done()) << "the other generation ended before the prompt was fed";
+      other->cancel();
+    }
+    return out;
+  };
+  const auto alone = digests(false);
+  ASSERT_EQ(alone.size(), 4u);
+  EXPECT_EQ(alone, digests(true));
 }
 
 TEST(BatchFrame, TableRoundTripsAndEveryCheckRefuses) {

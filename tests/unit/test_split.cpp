@@ -150,6 +150,20 @@ TEST(SplitInvariance, Bf16WireRoundsAtEachCutOnly) {
   EXPECT_LT(d, 0.5);
 }
 
+// What a coordinator announces before its stage has loaded is what the stage then reports.
+TEST(Stage, KernelProfileIsKnownBeforeTheStageLoads) {
+  const std::string q8 = (pp::test::data_dir() / "golden-kq" / "golden-kq-q8_0.gguf").string();
+  for (const std::string& path : {tiny("f32"), tiny("bf16"), tiny("f16"), q8}) {
+    const auto model = pp::Model::open(path);
+    for (const bool fast : {false, true}) {
+      pp::StageOptions so;
+      so.fast_float = fast;
+      const pp::Stage st(model, pp::LayerRange{0, 1}, so);
+      EXPECT_EQ(pp::Stage::kernel_profile_for(*model, so), st.kernel_profile()) << path << (fast ? " fast" : "");
+    }
+  }
+}
+
 TEST(Stage, RolesAreEnforced) {
   pp::Stage mid(tiny(), {1, 3});
   std::vector<float> buf(64 * 512);

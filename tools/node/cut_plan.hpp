@@ -1,7 +1,8 @@
 // `--cuts auto`: layer ranges in proportion to each stage's measured speed, within each stage's free memory.
 //
-// Every stage runs one decoder layer on one row (net::measure_probe; workers answer PROBE with it). A
-// stage's time per token is modelled as layers x its layer time, plus, on the last stage, the output
+// Every stage runs one decoder layer on one row, twice in turn (net::measure_probe; workers answer PROBE
+// with it), and its better time counts. A stage's time per token is modelled as layers x its layer time,
+// plus, on the last stage, the output
 // projection, costed as a layer scaled by its share of weight bytes (both are memory-bound reads). Layers
 // are handed out one at a time to the stage whose time grows least, so the slowest stage's time is as
 // small as the split allows; a stage never gets more layers than 90% of its free memory holds (weights
@@ -96,7 +97,7 @@ inline std::string plan_text(const std::vector<StageProbe>& stages, const CutPla
     std::snprintf(b, sizeof b, "%.*f", d, v);
     return std::string(b);
   };
-  std::string s = "cut plan (--cuts auto): one decoder layer timed on one row on every stage\n";
+  std::string s = "cut plan (--cuts auto): one decoder layer timed on one row on every stage (best of two rounds)\n";
   int lo = 0;
   for (std::size_t i = 0; i < stages.size(); ++i) {
     const net::ProbeReport& r = stages[i].report;

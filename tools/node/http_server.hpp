@@ -447,7 +447,7 @@ class HttpServer {
     stages.push_back({{"stage", 0}, {"host", "coordinator"}, {"layers", {r0.lo, r0.hi}}, {"arch", mine.arch},
                       {"threads", mine.threads}, {"up", true}, {"sessions_active", m.sessions_active},
                       {"batches", m.batches}, {"batch_rows", m.batch_rows}, {"compute_seconds", m.stage0_compute_s},
-                      {"transfer_seconds", m.stage0_transfer_s},
+                      {"transfer_seconds", m.stage0_transfer_s}, {"wait_seconds", m.stage0_wait_s},
                       {"compute_ms_per_batch", ms_per_batch(m.stage0_compute_s, double(m.batches))},
                       {"bytes_sent", m.bytes_sent}, {"bytes_received", m.bytes_received}});
     for (std::size_t i = 0; i < hops.size(); ++i) {
@@ -479,6 +479,8 @@ class HttpServer {
             {"sessions_active", m.sessions_active},
             {"queue_depth", m.queue_depth},
             {"batches", m.batches},
+            {"active_seconds", m.active_s},
+            {"prefill_pace_rows", m.prefill_pace_rows},
             {"time_to_first_token_avg_s", m.ttft_count ? json(m.ttft_sum_s / double(m.ttft_count)) : json(nullptr)},
             {"stages", std::move(stages)}};
   }
@@ -543,6 +545,11 @@ class HttpServer {
     family("pp_time_to_first_token_seconds", "summary", "Time from a request's arrival to its first token.");
     sample("pp_time_to_first_token_seconds_sum", "", m.ttft_sum_s);
     sample("pp_time_to_first_token_seconds_count", "", double(m.ttft_count));
+    family("pp_active_seconds_total", "counter", "Wall time with at least one generation in progress.");
+    sample("pp_active_seconds_total", "", m.active_s);
+    family("pp_prefill_pace_rows", "gauge",
+           "Prompt rows a batch carries while other generations decode (about half a decoding batch's cost).");
+    sample("pp_prefill_pace_rows", "", double(m.prefill_pace_rows));
     family("pp_pipeline_up", "gauge", "1 when the coordinator's connection to the chain is up.");
     sample("pp_pipeline_up", "", m.link_up ? 1 : 0);
     family("pp_resumes_total", "counter", "Chains re-established after a failure with every open session replayed (--resume).");
@@ -566,6 +573,9 @@ class HttpServer {
     sample("pp_stage_transfer_seconds_total", stage_labels(0), m.stage0_transfer_s);
     for (std::size_t i = 0; i < hops.size(); ++i)
       if (auto v = worker_value(i, "transfer_seconds")) sample("pp_stage_transfer_seconds_total", stage_labels(i + 1), *v);
+    family("pp_stage_wait_seconds_total", "counter",
+           "Stage 0: time it sat waiting while generations were in progress (its pipeline bubbles).");
+    sample("pp_stage_wait_seconds_total", stage_labels(0), m.stage0_wait_s);
     family("pp_stage_batches_total", "counter", "Batches the stage computed.");
     sample("pp_stage_batches_total", stage_labels(0), double(m.batches));
     for (std::size_t i = 0; i < hops.size(); ++i)

@@ -63,6 +63,18 @@ inline std::vector<int> auto_cuts(const ModelRunOptions& run, int n_layer, uint3
       throw Error(std::string("--cuts auto: ") + e.what() + " (an older worker cannot be probed: give --cuts)");
     }
   }
+  // Every stage once more, in the same order: a machine's memory speed drifts by tens of percent over
+  // seconds (other tenants of a VM host), and the stages are compared with each other, so each at its
+  // best of the two.
+  stages[0].report.layer_us = std::min(stages[0].report.layer_us, net::measure_probe(run.path, run.threads, max_ctx).layer_us);
+  for (std::size_t i = 0; i < run.workers.size(); ++i) {
+    try {
+      const double us = net::probe_worker(run.workers[i], run.timeouts, run.load_wait, auth).layer_us;
+      stages[i + 1].report.layer_us = std::min(stages[i + 1].report.layer_us, us);
+    } catch (const std::exception& e) {
+      throw Error(std::string("--cuts auto: ") + e.what());
+    }
+  }
   const CutPlan plan = plan_cuts(stages, n_layer, sessions);
   std::cout << plan_text(stages, plan) << std::flush;
   return plan.cuts;

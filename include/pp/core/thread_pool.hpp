@@ -26,7 +26,7 @@ class ThreadPool {
  public:
   // n_threads counts the calling thread; 0 means the hardware concurrency.
   explicit ThreadPool(unsigned n_threads = 0) {
-    if (n_threads == 0) n_threads = std::max(1u, std::thread::hardware_concurrency());
+    n_threads = resolve(n_threads);
     n_ = n_threads;
     for (unsigned t = 1; t < n_; ++t) workers_.emplace_back([this, t] { loop(t); });
   }
@@ -43,6 +43,10 @@ class ThreadPool {
   }
 
   unsigned size() const { return n_; }
+  // The threads a pool asked for `n_threads` has.
+  static unsigned resolve(unsigned n_threads) {
+    return n_threads ? n_threads : std::max(1u, std::thread::hardware_concurrency());
+  }
 
   // Calls fn(begin, end, t) over [0, n) split into size() contiguous chunks, t being the chunk (thread)
   // index in [0, size()); returns when all are done.

@@ -35,8 +35,8 @@ class KvCache {
   KvCache(std::size_t n_layers, std::size_t capacity, std::size_t n_head_kv, std::size_t head_dim)
       : n_layers_(n_layers), cap_(capacity), kv_dim_(n_head_kv * head_dim), head_dim_(head_dim),
         ld_((capacity + 15) / 16 * 16),
-        k_((n_layers * kv_dim_ * ld_ + kernels::kAttnPad) * sizeof(float), "a KV cache"),
-        v_(n_layers * capacity * kv_dim_ * sizeof(float), "a KV cache") {}
+        k_((n_layers * kv_dim_ * ld_ + kernels::kAttnPad) * sizeof(float), "a KV cache", AnonymousRegion::Pages::small),
+        v_(n_layers * capacity * kv_dim_ * sizeof(float), "a KV cache", AnonymousRegion::Pages::small) {}
 
   std::size_t capacity() const { return cap_; }
   std::size_t kv_dim() const { return kv_dim_; }

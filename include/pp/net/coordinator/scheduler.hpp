@@ -5,8 +5,9 @@
 // state; the link's reader thread hands it the chain's replies (link.hpp). The scheduler keeps the
 // pipeline full: the live sessions are split into up to n_stages micro-batches, each one BATCH frame
 // (one pass over every stage's weights for all its sessions), and up to n_stages batches are in flight
-// at once, so while stage 1 runs one batch stage 0 runs the next. A prompt is fed in chunks of at most
-// kPrefillChunk rows, so a long prompt delays the others' next token by one chunk at most.
+// at once, so while stage 1 runs one batch stage 0 runs the next. A prompt is fed in chunks: alone, of
+// kPrefillChunk rows; while other generations decode, of as many rows as cost about half a decoding
+// batch (PrefillPace, measured on stage 0), so a long prompt does not stall the streams already running.
 //
 // Output goes into each generation's own GenStream (stream.hpp). A cancelled generation (its consumer
 // went away) is closed on every stage as soon as none of its rows is in flight.
@@ -82,6 +83,10 @@ struct CoordinatorMetrics {
   std::size_t sessions_active = 0, queue_depth = 0, sessions_ready = 0, batches_in_flight = 0;
   uint64_t batches = 0, batch_rows = 0;
   double stage0_compute_s = 0, stage0_transfer_s = 0, batch_round_trip_s = 0;
+  // Wall time with at least one generation in progress, and the part of it stage 0 sat waiting (for
+  // a reply, with its share of the batches in flight, or with nothing ready): its pipeline bubbles.
+  double active_s = 0, stage0_wait_s = 0;
+  std::size_t prefill_pace_rows = 0;  // prompt rows per batch while other generations decode
   uint64_t bytes_sent = 0, bytes_received = 0;
   double ttft_sum_s = 0;
   uint64_t ttft_count = 0;
@@ -153,13 +158,7 @@ class Coordinator {
   }
 
   // Maps and loads stage 0 (may run while connect() waits for the workers to load theirs).
-  void load_stage() {
-    StageOptions so;
-    so.ctx = ctx_;
-    so.threads = cfg_.threads;
-    so.residency = cfg_.residency;
-    stage_ = std::make_unique<Stage>(cfg_.model, stage_range(), so);
-  }
+  void load_stage() { stage_ = std::make_unique<Stage>(cfg_.model, stage_range(), stage_options()); }
 
   // The handshake; throws naming the hop. Called before start(), and again by the scheduler after the
   // chain was lost.
@@ -175,7 +174,8 @@ class Coordinator {
     spec.ctx = ctx_;
     spec.hops = hops_;
     spec.coordinator = stage_ ? NumericProfile{stage_->kernel_profile(), stage_->threads()}
-                              : NumericProfile{simd::Best::name(), cfg_.threads};
+                              : NumericProfile{Stage::kernel_profile_for(*cfg_.model, stage_options()),
+                                               ThreadPool::resolve(cfg_.threads)};
     spec.timeouts = cfg_.timeouts;
     spec.load_wait = cfg_.load_wait;
     spec.authenticate = cfg_.authenticate;
@@ -252,16 +252,43 @@ class Coordinator {
     return m;
   }
 
-  // Rows of a prompt with `left` rows to go fed in the next entry. Depends on the prompt only, not on
-  // what else is in the batch: a row's arithmetic depends on its request's size (kernels::kBulkRows),
-  // so a session's output is the same whether it runs alone or with others. The last piece of a bulk
-  // prompt is kept bulk too, so the rows take the path they take when the prompt runs in one piece.
-  static std::size_t feed_rows(std::size_t left, std::size_t ctx) {
-    const std::size_t chunk = std::min<std::size_t>({kPrefillChunk, kBatchRows, ctx});
+  // Rows of a prompt with `left` rows to go fed in the next entry, about `want` of them. A row's
+  // arithmetic depends on its request's path (kernels::kBulkRows), not on the request's size: so every
+  // piece of a prompt of kBulkRows rows or more is kept at kBulkRows or more, whatever `want` is, and the
+  // rows take the path they take when the prompt runs in one piece. A session's output is then the same
+  // however its prompt is chunked and whatever else is in the batch.
+  static std::size_t feed_rows(std::size_t left, std::size_t ctx, std::size_t want = kPrefillChunk) {
+    const std::size_t cap = std::min<std::size_t>(kBatchRows, ctx);  // rows one entry may carry
+    const std::size_t chunk = std::clamp<std::size_t>(want, std::min(kernels::kBulkRows, cap), cap);
     if (left <= chunk) return left;
-    if (chunk > 2 * kernels::kBulkRows && left - chunk < kernels::kBulkRows) return left - kernels::kBulkRows;
-    return chunk;
+    if (left - chunk >= kernels::kBulkRows || cap <= 2 * kernels::kBulkRows) return chunk;
+    return left <= cap ? left : left - kernels::kBulkRows;  // no short bulk piece at the end
   }
+
+  // How many rows of a prompt a batch carries while other generations decode: a prompt row costs about
+  // `bulk_row_s` on stage 0, a batch of decode steps `decode_batch_s`; a prompt's piece is held to half
+  // of the latter (kBulkRows at least), so the streams' next tokens come about 1.5x later while a long
+  // prompt is fed, instead of waiting for kPrefillChunk rows (the stages are balanced, so stage 0's ratio
+  // is every stage's). Estimates from stage 0's compute, exponentially averaged; before any, kBulkRows.
+  struct PrefillPace {
+    double decode_batch_s = 0, bulk_row_s = 0;
+    std::size_t rows() const {
+      if (decode_batch_s <= 0 || bulk_row_s <= 0) return kernels::kBulkRows;
+      const double r = 0.5 * decode_batch_s / bulk_row_s;
+      if (!(r < double(kPrefillChunk))) return kPrefillChunk;
+      return std::max(kernels::kBulkRows, std::size_t(r) / kernels::kBulkRows * kernels::kBulkRows);
+    }
+    // One stage-0 forward of `bulk` prompt rows (pieces of kBulkRows or more) and `other` rows.
+    void observe(std::size_t bulk, std::size_t other, double seconds) {
+      auto avg = [](double& a, double x) { a = a > 0 ? 0.8 * a + 0.2 * x : x; };
+      if (bulk == 0) {
+        if (other > 0) avg(decode_batch_s, seconds);
+        return;
+      }
+      const double rest = other > 0 ? std::min(decode_batch_s, 0.75 * seconds) : 0.0;
+      avg(bulk_row_s, (seconds - rest) / double(bulk));
+    }
+  };
 
  private:
   struct Submission {
@@ -317,6 +344,14 @@ class Coordinator {
     SteadyClock::time_point sent;
   };
 
+  StageOptions stage_options() const {
+    StageOptions so;
+    so.ctx = ctx_;
+    so.threads = cfg_.threads;
+    so.residency = cfg_.residency;
+    return so;
+  }
+
   // ---- the link ----
 
   void drop_link() {
@@ -353,6 +388,8 @@ class Coordinator {
     for (;;) {
       bool dead = false, cancels = false;
       std::string dead_why;
+      const bool active = busy_sessions() > 0;
+      const auto w0 = SteadyClock::now();
       {
         std::unique_lock lock(mu_);
         cv_.wait_for(lock, std::chrono::seconds(1), [&] {
@@ -370,6 +407,13 @@ class Coordinator {
         dead_why = link_error_;
         cancels = std::exchange(cancel_seen_, false);
       }
+      const auto w1 = SteadyClock::now();
+      if (active) {
+        std::lock_guard lock(metrics_mu_);
+        metrics_.stage0_wait_s += std::chrono::duration<double>(w1 - w0).count();
+        metrics_.active_s += std::chrono::duration<double>(w1 - std::exchange(active_mark_, w1)).count();
+      }
+      active_mark_ = w1;
       if (dead) {
         replies.clear();  // answers on the lost connection
         lose_link(dead_why);
@@ -743,22 +787,37 @@ class Coordinator {
 
   // One micro-batch: up to ceil(live / n_stages) ready sessions, stage 0's layers for all of them in
   // one pass, one BATCH frame down the chain.
+  static bool prefilling(const Session& s) { return s.feed.size() - s.feed_at >= kernels::kBulkRows; }
+
   bool send_batch() {
-    std::size_t live = 0;
-    for (const auto& [id, s] : sessions_) live += (s.state == State::ready || s.state == State::in_flight) ? 1 : 0;
+    std::size_t live = 0, decoding = 0;
+    for (const auto& [id, s] : sessions_) {
+      if (s.state != State::ready && s.state != State::in_flight) continue;
+      ++live;
+      decoding += prefilling(s) ? 0 : 1;
+    }
     const std::size_t cap = std::min<std::size_t>(kMaxBatchEntries, (live + n_stages() - 1) / n_stages());
     const std::size_t budget = std::min<std::size_t>(kBatchRows, ctx_);
+    const std::size_t paced = pace_.rows();
     InFlight fl;
     std::vector<Stage::BatchEntry> run;
-    std::size_t rows = 0, with_logits = 0;
+    std::size_t rows = 0, with_logits = 0, bulk = 0;
     while (!ready_.empty() && fl.entries.size() < std::max<std::size_t>(cap, 1) && rows < budget) {
       Session& s = sessions_.at(ready_.front());
       const bool replay = s.replaying();
-      const std::size_t n = replay ? s.steps[s.replay_at].rows : feed_rows(s.feed.size() - s.feed_at, ctx_);
+      std::size_t n = 0;
+      if (replay) {
+        n = s.steps[s.replay_at].rows;
+      } else {
+        // While others decode, each prompt takes a paced share (kBulkRows at least: a burst of short
+        // prompts is not served one per batch).
+        n = feed_rows(s.feed.size() - s.feed_at, ctx_, decoding > 0 ? paced : kPrefillChunk);
+      }
       const uint8_t flags = replay ? 0 : entry_flags(s, n);
       if (n == 0 || (rows > 0 && rows + n > budget)) break;  // the next batch takes it whole
       if ((flags & kEntryLogits) && with_logits == kMaxLogitsEntries) break;
       ready_.pop_front();
+      bulk += n >= kernels::kBulkRows ? n : 0;
       with_logits += (flags & kEntryLogits) ? 1 : 0;
       fl.entries.push_back(Sent{s.id, uint32_t(n), flags, replay});
       fl.wire.push_back(BatchEntry{s.id, uint64_t(s.pos), uint32_t(n), flags});
@@ -779,6 +838,7 @@ class Coordinator {
     }
     stage_->forward_batch(run, rows_.data());
     const auto t1 = SteadyClock::now();
+    pace_.observe(bulk, rows - bulk, std::chrono::duration<double>(t1 - t0).count());
     for (const Sent& e : fl.entries) {
       Session& s = sessions_.at(e.session);
       if (!e.replay) {
@@ -960,6 +1020,7 @@ class Coordinator {
     metrics_.queue_depth = waiting_.size();
     metrics_.sessions_ready = ready;
     metrics_.batches_in_flight = in_flight_.size();
+    metrics_.prefill_pace_rows = pace_.rows();
     metrics_.bytes_sent = metrics_.bytes_sent_base + (link_ ? link_->bytes_sent() : 0);
     metrics_.bytes_received = metrics_.bytes_received_base + (link_ ? link_->bytes_received() : 0);
   }
@@ -998,6 +1059,8 @@ class Coordinator {
   std::vector<float> logits_;
   std::vector<int32_t> tokens_;
   Sampler sampler_;
+  PrefillPace pace_;  // the scheduler thread's
+  SteadyClock::time_point active_mark_ = SteadyClock::now();  // end of the last wait
 
   struct Counters : CoordinatorMetrics {
     uint64_t bytes_sent_base = 0, bytes_received_base = 0;  // of links already closed
