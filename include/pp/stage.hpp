@@ -68,11 +68,58 @@ struct StageOptions {
 };
 
 // Per-sequence state of one stage: its KV cache (activations are the stage's, see Stage::scratch_).
+// KV caches of one stage's ended sequences, kept for its next ones. A fresh cache is backed on first
+// write, a zeroed page at a time, and a sequence's first rows write into every layer's keys (thousands
+// of pages), on the thread that steps every other session too. A reused cache is backed already. The
+// pool holds at most as many caches as were in use at once.
+class KvPool {
+ public:
+  std::optional<KvCache> take() {
+    std::lock_guard lock(mu_);
+    if (free_.empty()) return std::nullopt;
+    KvCache kv = std::move(free_.back());
+    free_.pop_back();
+    return kv;
+  }
+  void give(KvCache&& kv) {
+    kv.reset();
+    std::lock_guard lock(mu_);
+    free_.push_back(std::move(kv));
+  }
+  std::size_t size() const {
+    std::lock_guard lock(mu_);
+    return free_.size();
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<KvCache> free_;
+};
+
 class Sequence {
  public:
-  Sequence(const Config& c, std::size_t n_blocks, std::size_t ctx) : kv(n_blocks, ctx, c.n_head_kv, c.head_dim) {}
+  Sequence(const Config& c, std::size_t n_blocks, std::size_t ctx, std::shared_ptr<KvPool> pool = nullptr)
+      : kv(n_blocks, ctx, c.n_head_kv, c.head_dim), pool_(std::move(pool)) {}
+  Sequence(KvCache reused, std::shared_ptr<KvPool> pool) : kv(std::move(reused)), pool_(std::move(pool)) {}
+  Sequence(Sequence&&) noexcept = default;
+  Sequence& operator=(Sequence&& o) noexcept {
+    if (this != &o) {
+      release();
+      kv = std::move(o.kv);
+      pool_ = std::move(o.pool_);
+    }
+    return *this;
+  }
+  ~Sequence() { release(); }
   int64_t n_past() const { return kv.n_past(); }
   KvCache kv;
+
+ private:
+  void release() {
+    if (pool_ && kv.bytes() > 0) pool_->give(std::move(kv));
+    pool_.reset();
+  }
+  std::shared_ptr<KvPool> pool_;  // where the cache goes when the sequence ends
 };
 
 class Stage {
@@ -144,7 +191,12 @@ class Stage {
   // Bytes of the tensors this stage reads (its share of the file).
   std::size_t bytes_used() const { return bytes_used_; }
 
-  Sequence new_sequence() const { return Sequence(cfg_, blocks_.size(), ctx_); }
+  Sequence new_sequence() const {
+    if (std::optional<KvCache> kv = kv_pool_->take()) return Sequence(std::move(*kv), kv_pool_);
+    return Sequence(cfg_, blocks_.size(), ctx_, kv_pool_);
+  }
+  // KV caches of ended sequences waiting for the next ones (see KvPool).
+  std::size_t pooled_caches() const { return kv_pool_->size(); }
 
   // out[n, n_embd] = embedding rows of `tokens` (first stage). Throws RequestError on an id out of range.
   void embed(std::span<const int32_t> tokens, float* out) const {
@@ -342,6 +394,7 @@ class Stage {
   bool fast_quant_ = false;
   bool fast_float_ = false;
   std::string kernel_profile_;  // see kernel_profile()
+  std::shared_ptr<KvPool> kv_pool_ = std::make_shared<KvPool>();
   std::unique_ptr<ThreadPool> pool_;
   // The activations of one chunk, sized by max_rows, ctx and the pool, backed as requests use them: the
   // executor's, not a sequence's, so a session holds only its KV cache. run_mu_ gives them (and the

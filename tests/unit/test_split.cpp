@@ -164,6 +164,48 @@ TEST(Stage, KernelProfileIsKnownBeforeTheStageLoads) {
   }
 }
 
+// An ended sequence's KV cache goes to the stage's pool and the next sequence takes it: what was in it
+// never shows (a reused cache gives the bits of a fresh one, the ring wrapped or not).
+TEST(Stage, ReusedKvCacheGivesTheBitsOfAFreshOne) {
+  auto st = pp::Stage::open_full(tiny("bf16"), {.ctx = 24, .threads = 1});
+  const std::size_t E = st->config().n_embd, V = st->config().n_vocab;
+  auto run = [&](pp::Sequence& seq, int salt, int n) {
+    std::vector<int32_t> toks;
+    for (int i = 0; i < n; ++i) toks.push_back(int32_t((i * 31 + salt * 7) % 500));
+    std::vector<float> rows(std::size_t(n) * E), logits(V);
+    st->embed(toks, rows.data());
+    st->forward(seq, 0, rows.data(), std::size_t(n));
+    st->head(seq, rows.data() + std::size_t(n - 1) * E, 1, logits.data());
+    for (int i = 0; i < 20; ++i) {  // decode steps: the 24-slot ring wraps
+      std::vector<float> r(E);
+      st->embed(std::vector<int32_t>{int32_t((i * 13 + salt) % 500)}, r.data());
+      st->forward(seq, seq.n_past(), r.data(), 1);
+      st->head(seq, r.data(), 1, logits.data());
+    }
+    return logits;
+  };
+  std::vector<float> fresh;
+  {
+    pp::Sequence a = st->new_sequence();
+    fresh = run(a, 1, 9);
+  }
+  EXPECT_EQ(st->pooled_caches(), 1u);
+  {
+    pp::Sequence other = st->new_sequence();
+    EXPECT_EQ(st->pooled_caches(), 0u) << "the new sequence takes the pooled cache";
+    run(other, 5, 17);  // fills it with another sequence's keys and values
+  }
+  pp::Sequence b = st->new_sequence(), c = st->new_sequence();
+  EXPECT_EQ(st->pooled_caches(), 0u);
+  EXPECT_EQ(run(b, 1, 9), fresh) << "a reused cache";
+  EXPECT_EQ(run(c, 1, 9), fresh) << "a new cache";
+  pp::Sequence moved = std::move(b);
+  b = std::move(c);  // c's cache now in b; moved-from c holds nothing
+  EXPECT_EQ(st->pooled_caches(), 0u);
+  moved = std::move(b);  // the cache moved held ends: pooled
+  EXPECT_EQ(st->pooled_caches(), 1u);
+}
+
 TEST(Stage, RolesAreEnforced) {
   pp::Stage mid(tiny(), {1, 3});
   std::vector<float> buf(64 * 512);

@@ -19,17 +19,17 @@ namespace pp {
 class AnonymousRegion {
  public:
   AnonymousRegion() = default;
-  // Huge pages for what is read whole and often (weights); small pages for what is written a little at a
-  // time (a KV cache: the first write to a huge page zeroes, and may compact, 2 MiB at once, which a
-  // session's first rows would pay for all its layers' keys).
-  enum class Pages { huge, small };
+  // huge: asked for (weights: read whole every step); small: refused (KV caches: a session's first rows
+  // write into every layer's keys, and a fresh huge page is zeroed and backed 2 MiB at a time, which on
+  // a VM host cost a new session ~0.3 s); system: as the kernel's THP setting says (scratch).
+  enum class Pages { huge, small, system };
   explicit AnonymousRegion(std::size_t bytes, const char* what = "resident weights", Pages pages = Pages::huge)
       : size_(bytes) {
     if (bytes == 0) return;
     void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED)
       throw Error("cannot allocate " + std::to_string(bytes >> 20) + " MiB for " + what + ": " + std::strerror(errno));
-    ::madvise(p, bytes, pages == Pages::huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);  // best effort: THP may be off
+    if (pages != Pages::system) ::madvise(p, bytes, pages == Pages::huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);  // best effort
     data_ = static_cast<uint8_t*>(p);
   }
   AnonymousRegion(const AnonymousRegion&) = delete;
@@ -63,7 +63,7 @@ template <class T>
 class LazyArray {
  public:
   LazyArray() = default;
-  explicit LazyArray(std::size_t n, const char* what = "scratch") : region_(n * sizeof(T), what, AnonymousRegion::Pages::small), n_(n) {}
+  explicit LazyArray(std::size_t n, const char* what = "scratch") : region_(n * sizeof(T), what, AnonymousRegion::Pages::system), n_(n) {}
   T* data() { return reinterpret_cast<T*>(region_.data()); }
   const T* data() const { return reinterpret_cast<const T*>(region_.data()); }
   std::size_t size() const { return n_; }
