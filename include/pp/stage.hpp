@@ -67,7 +67,6 @@ struct StageOptions {
   Residency residency = Residency::Anonymous;
 };
 
-// Per-sequence state of one stage: its KV cache (activations are the stage's, see Stage::scratch_).
 // KV caches of one stage's ended sequences, kept for its next ones. A fresh cache is backed on first
 // write, a zeroed page at a time, and a sequence's first rows write into every layer's keys (thousands
 // of pages), on the thread that steps every other session too. A reused cache is backed already. The
@@ -96,6 +95,7 @@ class KvPool {
   std::vector<KvCache> free_;
 };
 
+// Per-sequence state of one stage: its KV cache (activations are the stage's, see Stage::scratch_).
 class Sequence {
  public:
   Sequence(const Config& c, std::size_t n_blocks, std::size_t ctx, std::shared_ptr<KvPool> pool = nullptr)
@@ -175,7 +175,7 @@ class Stage {
   // The same, before any stage of `model` is built with `opt` (a coordinator's handshake may go out
   // while its stage is still loading).
   static std::string kernel_profile_for(const Model& model, const StageOptions& opt) {
-    const bool fast_float = opt.fast_float.value_or(kernels::fast_float_default()) && kernels::gemm::kHaveFastBf16;
+    const bool fast_float = fast_float_for(opt);
     bool bf16_blocks = false, q8_blocks = false;
     for (const gguf::TensorInfo& t : model.gguf().tensors) {
       if (!t.name.starts_with("blk.")) continue;
@@ -184,6 +184,10 @@ class Stage {
     }
     return std::string(simd::Best::name()) + (fast_float && bf16_blocks ? "+bf16dot" : "") +
            (q8_blocks && kernels::bulk_on_tiles(DType::Q8_0, opt.fast_quant) ? "+q8tiles" : "");
+  }
+  // Whether BF16 prompts take the bf16 dot with `opt` on this CPU.
+  static bool fast_float_for(const StageOptions& opt) {
+    return opt.fast_float.value_or(kernels::fast_float_default()) && kernels::gemm::kHaveFastBf16;
   }
   const std::shared_ptr<const Model>& model() const { return model_; }
   const gguf::File& gguf() const { return gguf_; }
@@ -301,7 +305,7 @@ class Stage {
     if (ctx_ > llama::kMaxCtx) throw Error("ctx " + std::to_string(ctx_) + " exceeds " + std::to_string(llama::kMaxCtx));
     max_rows_ = std::max<std::size_t>(1, std::min(opt.max_rows, ctx_));
     fast_quant_ = opt.fast_quant;
-    fast_float_ = opt.fast_float.value_or(kernels::fast_float_default()) && kernels::gemm::kHaveFastBf16;
+    fast_float_ = fast_float_for(opt);
     kernel_profile_ = kernel_profile_for(*model_, opt);
     pool_ = std::make_unique<ThreadPool>(opt.threads);
     scratch_ = Scratch(cfg_, max_rows_, ctx_, pool_->size());

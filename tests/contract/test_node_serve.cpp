@@ -372,8 +372,10 @@ TEST_F(ServeTwoStages, LongTokenIdPromptMatchesTheGenerator) {
 }
 
 // While another generation decodes, a long prompt goes down the chain in paced pieces (as many rows as
-// cost about half a decoding batch, at least kernels::kBulkRows): its tokens are still the generator's,
-// which feeds it in one piece.
+// cost about half a decoding batch, at least kernels::kBulkRows): positions and pieces agree on every
+// stage, and its greedy tokens are the generator's. (That its logits are bit for bit those of the prompt
+// alone is PrefillChunks.PacedPrompt... in test_serve_parts.cpp: greedy tokens of this small model do not
+// change when a piece takes the other numeric path.)
 TEST_F(ServeTwoStages, PromptFedInPacedPiecesBesideADecodingStreamMatchesTheGenerator) {
   std::atomic<int> chunks{0};
   std::atomic<bool> stop{false};

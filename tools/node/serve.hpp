@@ -53,28 +53,24 @@ inline std::string seconds(double s) {
 // Every stage's speed (the coordinator measures itself), then the split.
 inline std::vector<int> auto_cuts(const ModelRunOptions& run, int n_layer, uint32_t max_ctx, std::size_t sessions,
                                   const Authenticate& auth) {
-  std::vector<StageProbe> stages;
-  std::cout << "probing stages for --cuts auto ..." << std::endl;
-  stages.push_back(StageProbe{"coordinator", net::measure_probe(run.path, run.threads, max_ctx)});
-  for (const net::Peer& p : run.workers) {
+  // Stage i's probe: the coordinator measures itself, a worker answers PROBE.
+  auto probe = [&](std::size_t i) {
+    if (i == 0) return net::measure_probe(run.path, run.threads, max_ctx);
     try {
-      stages.push_back(StageProbe{p.str(), net::probe_worker(p, run.timeouts, run.load_wait, auth)});
+      return net::probe_worker(run.workers[i - 1], run.timeouts, run.load_wait, auth);
     } catch (const std::exception& e) {
       throw Error(std::string("--cuts auto: ") + e.what() + " (an older worker cannot be probed: give --cuts)");
     }
-  }
+  };
+  std::cout << "probing stages for --cuts auto ..." << std::endl;
+  std::vector<StageProbe> stages;
+  for (std::size_t i = 0; i <= run.workers.size(); ++i)
+    stages.push_back(StageProbe{i == 0 ? "coordinator" : run.workers[i - 1].str(), probe(i)});
   // Every stage once more, in the same order: a machine's memory speed drifts by tens of percent over
   // seconds (other tenants of a VM host), and the stages are compared with each other, so each at its
   // best of the two.
-  stages[0].report.layer_us = std::min(stages[0].report.layer_us, net::measure_probe(run.path, run.threads, max_ctx).layer_us);
-  for (std::size_t i = 0; i < run.workers.size(); ++i) {
-    try {
-      const double us = net::probe_worker(run.workers[i], run.timeouts, run.load_wait, auth).layer_us;
-      stages[i + 1].report.layer_us = std::min(stages[i + 1].report.layer_us, us);
-    } catch (const std::exception& e) {
-      throw Error(std::string("--cuts auto: ") + e.what());
-    }
-  }
+  for (std::size_t i = 0; i < stages.size(); ++i)
+    stages[i].report.layer_us = std::min(stages[i].report.layer_us, probe(i).layer_us);
   const CutPlan plan = plan_cuts(stages, n_layer, sessions);
   std::cout << plan_text(stages, plan) << std::flush;
   return plan.cuts;

@@ -285,6 +285,7 @@ class Coordinator {
         if (other > 0) avg(decode_batch_s, seconds);
         return;
       }
+      // The decode rows' share is estimated, and capped so a prompt row never looks nearly free.
       const double rest = other > 0 ? std::min(decode_batch_s, 0.75 * seconds) : 0.0;
       avg(bulk_row_s, (seconds - rest) / double(bulk));
     }
