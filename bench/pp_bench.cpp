@@ -61,10 +61,16 @@ void matvec_args(benchmark::internal::Benchmark* b) {
 BENCHMARK(BM_Matvec)->Apply(matvec_args)->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 // A decode step of m sequences batched together (m rows, not bulk: the dot kernels) against weights
-// streamed from memory: four copies of the matrix, used in turn, so that none is in cache.
+// streamed from memory: four copies of the matrix, used in turn, so that none is in cache. The last
+// argument: 1 = BF16 weights on the fast path (activations rounded to bf16, the bf16 dot).
 void BM_MatmulFew(benchmark::State& st) {
   const auto type = pp::DType(st.range(0));
   const std::size_t rows = std::size_t(st.range(1)), cols = std::size_t(st.range(2)), m = std::size_t(st.range(3));
+  const bool fast = st.range(4) != 0;
+  if (fast && (type != pp::DType::BF16 || !pp::kernels::gemm::kHaveFastBf16)) {
+    st.SkipWithError("no fast path for this type on this build");
+    return;
+  }
   constexpr int kCopies = 4;
   const std::size_t bytes = pp::row_bytes(type, cols) * rows;
   pp::AnonymousRegion w(bytes * kCopies);
@@ -80,17 +86,19 @@ void BM_MatmulFew(benchmark::State& st) {
   for (auto _ : st) {
     pp::MatView mv{type, w.data() + bytes * std::size_t(c), rows, cols, pp::row_bytes(type, cols)};
     c = (c + 1) % kCopies;
-    pp::kernels::matmul(pool, mv, x, m, y.data());
+    pp::kernels::matmul(pool, mv, x, m, y.data(), {false, {}, fast});
     benchmark::DoNotOptimize(y.data());
   }
   st.counters["GB/s"] = benchmark::Counter(double(bytes), benchmark::Counter::kIsIterationInvariantRate);
   st.counters["tok/s"] = benchmark::Counter(double(m), benchmark::Counter::kIsIterationInvariantRate);
   st.SetLabel(std::string(pp::dtype_name(type)) + " " + std::to_string(rows) + "x" + std::to_string(cols) + ", " +
-              std::to_string(m) + " rows");
+              std::to_string(m) + " rows" + (fast ? ", fast (bf16 dot)" : ", exact"));
 }
 BENCHMARK(BM_MatmulFew)
-    ->ArgsProduct({{int(pp::DType::BF16), int(pp::DType::F16)}, {8192}, {2048}, {1, 2, 4}})
-    ->Args({int(pp::DType::BF16), 2048, 8192, 4})
+    ->ArgsProduct({{int(pp::DType::BF16)}, {8192}, {2048}, {1, 2, 4, 8}, {0, 1}})
+    ->ArgsProduct({{int(pp::DType::F16)}, {8192}, {2048}, {1, 2, 4}, {0}})
+    ->Args({int(pp::DType::BF16), 2048, 8192, 4, 0})
+    ->Args({int(pp::DType::BF16), 2048, 8192, 4, 1})
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
 
@@ -228,6 +236,12 @@ struct GreedyDecode {
   int32_t tok = 0;
 };
 
+// Which numeric path a decode step takes (float weights: the f32 dot, or the bf16 dot of the fast path).
+std::string decode_path(const pp::Stage& s, const std::string& dt) {
+  if (dt == "bf16") return s.fast_float() ? " fast (bf16 dot)" : " exact";
+  return dt == "f16" || dt == "f32" ? " exact" : " fast (int8)";
+}
+
 // Decode: one token per iteration at growing positions after an 8-token prompt. The host's bandwidth
 // drifts from one second to the next (a shared VM), so a triad pass runs between tokens, untimed:
 // `fraction` is the decode's GB/s over the mean of those passes, both averaged over the same stretch.
@@ -257,7 +271,7 @@ void BM_Decode(benchmark::State& st) {
   st.counters["triad_GB/s"] = during;
   // GB/s over the triad: the rate counter is finalised later, so compute it from the timing here.
   st.counters["fraction"] = benchmark::Counter(bytes / 1e9 / during, benchmark::Counter::kIsIterationInvariantRate);
-  st.SetLabel(dt + (res == pp::Residency::Anonymous ? " resident" : " mmap") + ", weights " +
+  st.SetLabel(dt + decode_path(s, dt) + (res == pp::Residency::Anonymous ? ", resident" : ", mmap") + ", weights " +
               std::to_string(s.bytes_used() >> 20) + " MiB");
 }
 BENCHMARK(BM_Decode)
@@ -289,7 +303,7 @@ void BM_DecodeMulti(benchmark::State& st) {
     if (++pos >= int64_t(s.ctx())) pos = 0;
   }
   st.counters["tok/s"] = benchmark::Counter(double(n_seq), benchmark::Counter::kIsIterationInvariantRate);
-  st.SetLabel(dt + ", " + std::to_string(n_seq) + " sequences");
+  st.SetLabel(dt + decode_path(s, dt) + ", " + std::to_string(n_seq) + " sequences");
 }
 BENCHMARK(BM_DecodeMulti)->ArgsProduct({{0}, {1, 2, 4, 8}, {2}})->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
 

@@ -94,9 +94,9 @@ INSTANTIATE_TEST_SUITE_P(AllFiles, GoldenTiny,
                            return s;
                          });
 
-// The fast path of BF16 prompts (activations rounded to bf16, the bf16 dot: kernels/gemm.hpp) against
-// the same float64 reference, over the prompt (bulk: it runs on the fast tiles) and the teacher-forced
-// decode that reads its KV cache: at most 1.25x llama.cpp's own distance (kvf32 file) over the same
+// The fast path of BF16 weights (activations rounded to bf16, the bf16 dot) against the same float64
+// reference, over the prompt (bulk: kernels/gemm.hpp's tiles) and the teacher-forced decode that reads
+// its KV cache (kernels/matmul.hpp's dot tiles): at most 1.25x llama.cpp's own distance (kvf32 file) over the same
 // positions and ids.
 class GoldenTinyFast : public ::testing::TestWithParam<std::string> {};
 
@@ -146,7 +146,7 @@ TEST_P(GoldenTinyFast, Bf16PromptWithinLlamaCppsDistanceOfExact) {
     llama_max = std::max(llama_max, distance(llama.contains("logits") ? llama["logits"][i] : json(), nullptr, 0,
                                              exact_full, ref["logits_top"][i], llama["logits_top"][i]));
   }
-  // Teacher-forced decode on the fast prompt's cache (decode steps themselves are exact).
+  // Teacher-forced decode on the fast prompt's cache, on the fast path too.
   const std::vector<int32_t> greedy = ref["greedy"].get<std::vector<int32_t>>();
   std::vector<float> row(E), step(V);
   std::copy(&logits[(toks.size() - 1) * V], &logits[toks.size() * V], step.begin());

@@ -316,6 +316,45 @@ TEST(GemmFastBf16, AgainstOracleOnRoundedActivationsAndShapeInvariant) {
     }
 #endif
 }
+
+// The fast path's decode kernel (matmul.hpp's dot_tile_bf16: requests under kBulkRows rows with
+// fast_float): against the float64 oracle on the bf16-rounded activations, widths with and without a
+// 64- and 32-element tail; every row of an m-row request bit-identical to the same row alone (m up to
+// 15: full and partial 4-token and 4-row tiles) and to any thread count; and not the exact path's result.
+TEST(MatmulFastBf16, DecodeRowsAgainstOracleAndEqualAlone) {
+  if (!pp::kernels::gemm::kHaveFastBf16) GTEST_SKIP() << "no AVX512-BF16 in this build";
+  std::mt19937 rng(11);
+  for (std::size_t cols : {32, 37, 64, 96, 201, 2048})
+    for (std::size_t rows : {1, 5, 17, 40}) {
+      const Stored w = store(pp::DType::BF16, randv(rows * cols, rng));
+      constexpr std::size_t m = pp::kernels::kBulkRows - 1;
+      const std::vector<float> x = randv(m * cols, rng, 2.f);
+      std::vector<float> xr(m * cols);
+      for (std::size_t i = 0; i < x.size(); ++i) xr[i] = pp::bf16_to_f32(pp::f32_to_bf16(x[i]));
+      const pp::test::Dots o = pp::test::dots(w.values, xr, m, rows, cols);
+      pp::MatView mv{pp::DType::BF16, w.bytes.data(), rows, cols, cols * 2};
+      std::vector<uint8_t> xq(m * pp::kernels::xq_row_bytes(cols));
+      pp::ThreadPool p1(1), p3(3);
+      std::vector<float> y(m * rows, NAN), y3(m * rows, NAN), exact(m * rows, NAN), y1(rows, NAN);
+      pp::kernels::matmul(p1, mv, x.data(), m, y.data(), {false, xq, true});
+      pp::kernels::matmul(p3, mv, x.data(), m, y3.data(), {false, xq, true});
+      pp::kernels::matmul(p1, mv, x.data(), m, exact.data(), {false, xq, false});
+      EXPECT_EQ(y, y3) << "cols " << cols << " rows " << rows;
+      bool differs = false;
+      for (std::size_t n = 1; n <= m; ++n) {  // the first n rows as one request
+        std::vector<float> yn(n * rows, NAN);
+        pp::kernels::matmul(p1, mv, x.data(), n, yn.data(), {false, xq, true});
+        for (std::size_t i = 0; i < n * rows; ++i)
+          ASSERT_EQ(std::bit_cast<uint32_t>(yn[i]), std::bit_cast<uint32_t>(y[i])) << "n " << n << " at " << i;
+      }
+      for (std::size_t i = 0; i < m; ++i)
+        for (std::size_t r = 0; r < rows; ++r) {
+          ASSERT_NEAR(y[i * rows + r], o.want(i, r), 1e-6 * o.mag(i, r) + 1e-30) << "cols " << cols << " rows " << rows;
+          differs = differs || y[i * rows + r] != exact[i * rows + r];
+        }
+      EXPECT_TRUE(differs) << "the fast decode path gave the exact path's bits: was it taken?";
+    }
+}
 }  // namespace
 
 namespace {

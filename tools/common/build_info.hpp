@@ -41,10 +41,10 @@ inline std::string kernel_description() {
   return s;
 }
 
-// --exact-float: every stage of this process computes BF16 prompts on the exact path (f32 activations)
+// --exact-float: every stage of this process computes BF16 weights on the exact path (f32 activations)
 // instead of the bf16-dot fast path (StageOptions::fast_float's default, kernels::fast_float_default).
 inline constexpr const char* kExactFloatHelp =
-    "BF16 prompts on the exact path (f32 activations) instead of the bf16 dot (also PP_EXACT_FLOAT=1)";
+    "BF16 weights on the exact path (f32 activations) instead of the bf16 dot (also PP_EXACT_FLOAT=1)";
 inline void set_exact_float(bool exact) {
   if (exact) ::setenv("PP_EXACT_FLOAT", "1", 1);
 }
@@ -52,7 +52,7 @@ inline void set_exact_float(bool exact) {
 // One line: "pp_node 0.1.0 (git 4681ce1); kernels avx512bw + AMX tiles for prompts; sanitized no".
 inline std::string version_line(const std::string& tool) {
   return tool + " " + PP_VERSION + " (git " + PP_GIT_COMMIT + "); kernels " + kernel_description() +
-         (kernels::fast_float_default() ? "; BF16 prompts on the bf16 dot" : "; BF16 prompts exact") + "; sanitized " +
+         (kernels::fast_float_default() ? "; BF16 on the bf16 dot" : "; BF16 exact") + "; sanitized " +
          (kSanitized ? "yes (ASan)" : "no");
 }
 

@@ -313,6 +313,14 @@ struct Bf16Dot {
   static void store(float* p, Acc a) { _mm512_store_ps(p, a); }  // 64-byte aligned
   static Acc load_acc(const float* p) { return _mm512_load_ps(p); }  // 64-byte aligned
   static Acc dot(Acc acc, Vec w, Vec x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
+  // The dot kernels' side (matmul.hpp): bf16 rows read where they lie, 32 elements a vector.
+  static constexpr std::size_t kElems = 32;
+  static Vec loadu(const uint16_t* p) { return _mm512_loadu_si512(p); }
+  static Vec load_first(const uint16_t* p, std::size_t count) {  // count < 32; the rest zero
+    return _mm512_maskz_loadu_epi16(__mmask32((1u << count) - 1u), p);
+  }
+  static Acc add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
+  static float sum(Acc a) { return _mm512_reduce_add_ps(a); }
 };
 #else
 inline constexpr bool kHaveBf16Dot = false;

@@ -44,7 +44,8 @@ inline void matmul_segments(ThreadPool& pool, const MatView& w, std::span<const 
 class BlockStep {
  public:
   // fast_quant: quantized weights take the fast path (int8 activations, see kernels/quant.hpp);
-  // fast_float: BF16 weights in prompts take the bf16-dot fast path (kernels/gemm.hpp).
+  // fast_float: BF16 weights take the bf16-dot fast path (kernels/gemm.hpp's tiles for prompts,
+  // kernels/matmul.hpp's dot tiles for decode steps).
   BlockStep(const Config& cfg, std::span<const Segment> segs, std::size_t n_rows, Scratch& scratch, ThreadPool& pool,
             bool fast_quant, bool fast_float)
       : cfg_(cfg), segs_(segs), n_rows_(n_rows), buf_(scratch), pool_(pool), path_{fast_quant, scratch.xq.span(), fast_float} {}
