@@ -479,7 +479,8 @@ def start_config(name, a, tmpdir, children):
         procs.append(w)
         port = w.wait_for(r"listening on [\d.]+:(\d+)", a.start_timeout).group(1)
         ccmd = (["taskset", "-c", "0"] if pinned else []) + [
-            pp, "--coordinator", f"127.0.0.1:{port}", "--cuts", "auto"] + serve
+            pp, "--coordinator", f"127.0.0.1:{port}", "--cuts", "auto"] + serve + (
+            ["--micro-batches", str(a.micro_batches_shared if not pinned else a.micro_batches_pinned)])
     else:
         ccmd = (["taskset", "-c", "0"] if pinned else []) + [pp] + serve
     c = Child(f"{name} server", ccmd, tmpdir)
@@ -588,6 +589,10 @@ def main():
                     help="--suite: a comma list of: single, 2-stage-shared, single-pinned, 2-stage-pinned")
     ap.add_argument("--threads-shared", type=int, default=0,
                     help="--suite: --threads of the unpinned configurations (default: pp_node's, all cores)")
+    ap.add_argument("--micro-batches-shared", type=int, default=0,
+                    help="--suite: the 2-stage shared coordinator's --micro-batches (default 0: one per stage)")
+    ap.add_argument("--micro-batches-pinned", type=int, default=0,
+                    help="--suite: the 2-stage pinned coordinator's --micro-batches (default 0: one per stage)")
     ap.add_argument("--ctx", type=int, default=0, help="--suite: the server's --ctx (default: pp_node's)")
     ap.add_argument("--parallel", type=int, default=16,
                     help="--suite: the server's --parallel (default 16; workers get --max-sessions max(16, P+1))")

@@ -124,6 +124,7 @@ struct Cli {
   std::vector<std::string> cors_origins;
   std::string log_level = "info";
   int64_t parallel = 8;
+  int64_t micro_batches = 0;
   std::string system_prompt;
   std::string cuts_arg;  // "C1,C2,..." or "auto"
   bool cuts_auto = false;
@@ -185,6 +186,8 @@ int run_serving(const Cli& c, const pp::node::ModelRunOptions& run, const pp::Re
   }
   so.log_requests = c.log_level == "info";
   so.parallel = static_cast<std::size_t>(c.parallel);
+  require_range("--micro-batches", c.micro_batches, 0, 64);
+  so.micro_batches = static_cast<std::size_t>(c.micro_batches);
   so.cuts_auto = c.cuts_auto;
   const std::size_t slash = model.path.find_last_of('/');
   so.model_id = model.how == "ollama" ? c.model : slash == std::string::npos ? model.path : model.path.substr(slash + 1);
@@ -430,6 +433,10 @@ int main(int argc, char** argv) {
   app.add_option("--parallel", c.parallel,
                  "--serve: generations decoding at once (each a session on every worker; keep it below the "
                  "workers' --max-sessions); more wait in a queue")
+      ->capture_default_str();
+  app.add_option("--micro-batches", c.micro_batches,
+                 "--serve/--chat: micro-batches the running generations are split into, each in flight at once "
+                 "(at most one per stage; 0: one per stage, so every stage has work)")
       ->capture_default_str();
   app.add_option("--system", c.system_prompt, "--chat: a system message");
   auto* tokens_opt = app.get_option("--tokens");

@@ -819,6 +819,38 @@ TEST_F(ServeTwoStages, BrowserChatsWithStreamedRepliesAndShowsThePipeline) {
   }
 }
 
+// --micro-batches 1: every running generation in one batch, one batch in flight. Four clients at once get
+// the generator's tokens, in fewer batches than the default split could make (one per stage: at most
+// ceil(4 / 2) = 2 sessions a batch, so at least half as many batches as tokens).
+TEST(ServeMicroBatches, OneMicroBatchCarriesEverySessionAndKeepsTheTokens) {
+  REQUIRE_MODEL();
+  auto p = start_pipeline(1, {"--cuts", "3"}, {"--micro-batches", "1"});
+  ASSERT_TRUE(p);
+  const char* prompts[] = {"The capital of France is", "Once upon a time", "1, 2, 3,", "Roses are red"};
+  constexpr std::size_t kTokens = 20;
+  std::vector<std::vector<int32_t>> want(4), got(4);
+  for (int i = 0; i < 4; ++i) want[i] = reference(encode(prompts[i]), kTokens);
+  const auto before = parse_metrics(p->client()->Get("/metrics")->body);
+  std::vector<std::thread> threads;
+  std::atomic<int> ready{0};
+  for (int i = 0; i < 4; ++i)
+    threads.emplace_back([&, i] {
+      ++ready;
+      while (ready.load() < 4) std::this_thread::yield();
+      const json b = {{"prompt", prompts[i]}, {"max_tokens", kTokens}, {"temperature", 0}, {"return_tokens", true}};
+      const Reply r = post(*p, "/v1/completions", b.dump());
+      if (r.status == 200) got[i] = tokens_of(r.body);
+    });
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(got[i], want[i]) << "client " << i;
+  const auto after = parse_metrics(p->client()->Get("/metrics")->body);
+  const double batches = after.at("pp_batches_total") - before.at("pp_batches_total");
+  const double tokens = after.at("pp_tokens_generated_total") - before.at("pp_tokens_generated_total");
+  EXPECT_EQ(tokens, 4 * kTokens);
+  EXPECT_LT(batches, tokens * 0.45) << "sessions were split across micro-batches";
+  EXPECT_TRUE(wait_worker_sessions(*p, 0, 5s));
+}
+
 // ================================================================ three stages
 
 TEST(ServeThreeStages, CompletionsAndChatStreamedAndNot) {

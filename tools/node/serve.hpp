@@ -36,6 +36,7 @@ struct ServeOptions {
   std::string http_host = "127.0.0.1";
   int http_port = 8080;
   std::size_t parallel = 16;
+  std::size_t micro_batches = 0;      // --micro-batches: 0 = one per stage
   bool cuts_auto = false;
   std::string model_id;               // what the API calls the model
   ChatOptions chat_options;
@@ -178,6 +179,7 @@ inline int run_serve(const ModelRunOptions& run, const ServeOptions& so, std::at
   cfg.timeouts = run.timeouts;
   cfg.load_wait = run.load_wait;
   cfg.parallel = so.parallel;
+  cfg.micro_batches = so.micro_batches;
   cfg.authenticate = so.authenticate;
   cfg.resume = run.resume;
   cfg.log = [](const std::string& line) { std::cerr << "pp_node coordinator: " << line << std::endl; };

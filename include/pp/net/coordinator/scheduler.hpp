@@ -67,6 +67,10 @@ struct CoordinatorConfig {
   Timeouts timeouts;
   Millis load_wait{120000};
   std::size_t parallel = 16;       // generations decoding at once; more wait in the queue
+  // Micro-batches the live sessions are split into, each in flight at once, at most one per stage;
+  // 0 = one per stage (every stage busy). Fewer stream each stage's weights fewer times per round of
+  // tokens, which wins where a step's cost barely grows with its rows.
+  std::size_t micro_batches = 0;
   std::chrono::seconds keepalive{30};
   std::function<void(Channel&)> authenticate;  // before HELLO, when the chain asks for a key
   // After the chain fails, keep re-establishing it this long and replay every session into it; 0 = every
@@ -373,7 +377,10 @@ class Coordinator {
 
   // ---- the scheduler thread ----
 
-  bool can_send() const { return (link_ || local()) && !loss_ && in_flight_.size() < n_stages(); }
+  std::size_t micro_batches() const {
+    return cfg_.micro_batches ? std::min(cfg_.micro_batches, n_stages()) : n_stages();
+  }
+  bool can_send() const { return (link_ || local()) && !loss_ && in_flight_.size() < micro_batches(); }
 
   // A send or a reply failed: the link is dropped at the end of this round of the scheduler (callers
   // may be iterating over the sessions that losing it clears).
@@ -797,7 +804,7 @@ class Coordinator {
       ++live;
       decoding += prefilling(s) ? 0 : 1;
     }
-    const std::size_t cap = std::min<std::size_t>(kMaxBatchEntries, (live + n_stages() - 1) / n_stages());
+    const std::size_t cap = std::min<std::size_t>(kMaxBatchEntries, (live + micro_batches() - 1) / micro_batches());
     const std::size_t budget = std::min<std::size_t>(kBatchRows, ctx_);
     const std::size_t paced = pace_.rows();
     InFlight fl;
