@@ -176,8 +176,8 @@ class Stage {
   // while its stage is still loading).
   static std::string kernel_profile_for(const Model& model, const StageOptions& opt) {
     const bool fast_float = fast_float_for(opt);
-    bool bf16_blocks = false, q8_blocks = false, has_output = false;
-    for (const gguf::TensorInfo& t : model.gguf().tensors) has_output = has_output || t.name == "output.weight";
+    bool bf16_blocks = false, q8_blocks = false;
+    const bool has_output = model.gguf().tensor("output.weight") != nullptr;
     for (const gguf::TensorInfo& t : model.gguf().tensors) {
       // The head's matrix is output.weight, or the embedding table when the two are tied.
       const bool head = t.name == "output.weight" || (!has_output && t.name == "token_embd.weight");

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -284,6 +285,19 @@ bool wait_worker_sessions(const Pipeline& p, long want, Millis timeout) {
     if (Clock::now() > deadline) return false;
     std::this_thread::sleep_for(20ms);
   }
+}
+
+// Runs client(i) for i < n on n threads released together (so their requests overlap), then joins them.
+void run_clients_at_once(int n, const std::function<void(int)>& client) {
+  std::vector<std::thread> threads;
+  std::atomic<int> ready{0};
+  for (int i = 0; i < n; ++i)
+    threads.emplace_back([&, i] {
+      ++ready;
+      while (ready.load() < n) std::this_thread::yield();
+      client(i);
+    });
+  for (auto& t : threads) t.join();
 }
 
 // name{labels} -> value from Prometheus text; fails the test on a malformed line.
@@ -561,20 +575,14 @@ TEST_F(ServeTwoStages, EightClientsAtOnceGetTheSequentialOutputs) {
   }
   const auto before = parse_metrics(p().client()->Get("/metrics")->body);
   std::vector<std::vector<int32_t>> got(8);
-  std::vector<std::thread> threads;
-  std::atomic<int> ready{0};
-  for (int i = 0; i < 8; ++i)
-    threads.emplace_back([&, i] {
-      ++ready;
-      while (ready.load() < 8) std::this_thread::yield();
-      if (jobs[i].stream) {
-        got[i] = post_stream(p(), "/v1/completions", jobs[i].body).tokens;
-      } else {
-        const Reply r = post(p(), "/v1/completions", jobs[i].body.dump());
-        if (r.status == 200) got[i] = tokens_of(r.body);
-      }
-    });
-  for (auto& t : threads) t.join();
+  run_clients_at_once(8, [&](int i) {
+    if (jobs[i].stream) {
+      got[i] = post_stream(p(), "/v1/completions", jobs[i].body).tokens;
+    } else {
+      const Reply r = post(p(), "/v1/completions", jobs[i].body.dump());
+      if (r.status == 200) got[i] = tokens_of(r.body);
+    }
+  });
   for (int i = 0; i < 8; ++i) EXPECT_EQ(got[i], jobs[i].want) << "client " << i;
   // Sessions decoding at the same step shared passes over the weights: fewer batches than rows.
   const auto after = parse_metrics(p().client()->Get("/metrics")->body);
@@ -831,17 +839,11 @@ TEST(ServeMicroBatches, OneMicroBatchCarriesEverySessionAndKeepsTheTokens) {
   std::vector<std::vector<int32_t>> want(4), got(4);
   for (int i = 0; i < 4; ++i) want[i] = reference(encode(prompts[i]), kTokens);
   const auto before = parse_metrics(p->client()->Get("/metrics")->body);
-  std::vector<std::thread> threads;
-  std::atomic<int> ready{0};
-  for (int i = 0; i < 4; ++i)
-    threads.emplace_back([&, i] {
-      ++ready;
-      while (ready.load() < 4) std::this_thread::yield();
-      const json b = {{"prompt", prompts[i]}, {"max_tokens", kTokens}, {"temperature", 0}, {"return_tokens", true}};
-      const Reply r = post(*p, "/v1/completions", b.dump());
-      if (r.status == 200) got[i] = tokens_of(r.body);
-    });
-  for (auto& t : threads) t.join();
+  run_clients_at_once(4, [&](int i) {
+    const json b = {{"prompt", prompts[i]}, {"max_tokens", kTokens}, {"temperature", 0}, {"return_tokens", true}};
+    const Reply r = post(*p, "/v1/completions", b.dump());
+    if (r.status == 200) got[i] = tokens_of(r.body);
+  });
   for (int i = 0; i < 4; ++i) EXPECT_EQ(got[i], want[i]) << "client " << i;
   const auto after = parse_metrics(p->client()->Get("/metrics")->body);
   const double batches = after.at("pp_batches_total") - before.at("pp_batches_total");

@@ -319,7 +319,6 @@ struct Bf16Dot {
   static Vec load_first(const uint16_t* p, std::size_t count) {  // count < 32; the rest zero
     return _mm512_maskz_loadu_epi16(__mmask32((1u << count) - 1u), p);
   }
-  static Acc add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
   static float sum(Acc a) { return _mm512_reduce_add_ps(a); }
 };
 #else
