@@ -19,6 +19,23 @@
 
 namespace {
 
+// The kernels this run measures, at the top of the report ("pp_kernels: avx512bw (dispatch target avx2)").
+// What the int8 prompt tiles run on ("int8 VNNI tiles"), for labels; SSE4.2 builds have none.
+#if PP_HAVE_Q8_TILES
+constexpr const char* kQ8TilesName = pp::kernels::gemm_q8::kName;
+#else
+constexpr const char* kQ8TilesName = "int8 dot kernels";
+#endif
+
+[[maybe_unused]] const bool kKernelsContext = [] {
+  std::string k = pp::simd::kernel_target();
+#if defined(PP_DISPATCH_TARGET)
+  k += std::string(" (dispatch target ") + PP_DISPATCH_TARGET + ", PP_KERNELS chooses)";
+#endif
+  benchmark::AddCustomContext("pp_kernels", k);
+  return true;
+}();
+
 double g_bw[3] = {0, 0, 0};  // probe GB/s by thread count (1, 2)
 
 double probe(unsigned threads) {
@@ -134,7 +151,7 @@ void BM_MatmulBulk(benchmark::State& st) {
   st.counters["GFLOP/s"] =
       benchmark::Counter(2.0 * double(rows * cols * m), benchmark::Counter::kIsIterationInvariantRate);
   st.SetLabel(std::string(pp::dtype_name(type)) + " " + std::to_string(rows) + "x" + std::to_string(cols) + " " +
-              (q8            ? (kernel == 0 ? "fast: int8 dot kernels" : std::string("fast: ") + pp::kernels::gemm_q8::kName)
+              (q8            ? (kernel == 0 ? "fast: int8 dot kernels" : std::string("fast: ") + kQ8TilesName)
                : kernel == 0 ? "dot kernels"
                : kernel == 2 ? "fast: bf16 dot tiles"
                : pp::kernels::amx::applies(mv) ? "AMX tiles" : "vector tiles"));
@@ -325,7 +342,7 @@ void BM_Prefill(benchmark::State& st) {
   st.counters["tok/s"] = benchmark::Counter(double(n), benchmark::Counter::kIsIterationInvariantRate);
   // Which numeric path the prompt took (float weights: AMX / vector tiles exact, or the bf16 dot).
   const bool quant = dt != "bf16" && dt != "f16";
-  st.SetLabel(dt + (dt == "q8_0" && pp::kernels::gemm_q8::kAvailable ? std::string(" fast (") + pp::kernels::gemm_q8::kName + ")"
+  st.SetLabel(dt + (dt == "q8_0" && pp::kernels::gemm_q8::kAvailable ? std::string(" fast (") + kQ8TilesName + ")"
                     : quant                          ? " fast (int8)"
                     : dt == "bf16" && s.fast_float() ? " fast (bf16 dot)"
                     : pp::kernels::amx::available()  ? " exact (AMX)"

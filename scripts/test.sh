@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The test command: installs dependencies, builds the fast configuration (-march=native: AVX-512, AMX
-# where the CPU has them) and a portable one (x86-64-v2: SSE4.2 kernels) that is also sanitized (ASan +
-# UBSan, gcc), runs every suite on both, then (when clang is installed) each libFuzzer target for 20 s
-# (docs/HARDENING.md); ends with one "N passed, N failed" line.
+# The test command: installs dependencies, builds the dispatch configuration (-Dcpu=dispatch: the tools,
+# pp_bench and the golden tests carry one copy of the kernels per x86-64 target and pick the best at
+# start-up; the other tests are compiled for this CPU) and a portable one (x86-64-v2: SSE4.2 kernels) that is
+# also sanitized (ASan + UBSan, clang), runs every suite on both (the golden suites once per kernel target
+# this CPU runs), then each libFuzzer target for 20 s (docs/HARDENING.md); ends with one "N passed, N failed"
+# line.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/deps.sh || exit 1
@@ -21,13 +23,15 @@ run_suites() {  # build-dir, meson test args...
   rm -f "$log"
 }
 
-# dir:cpu:more meson options. The sanitized build is -O1: it compiles in ~8 min instead of ~20 on 2 cores,
-# and its suites run no slower overall than at -O3 (ASan's checks dominate).
-for cfg in "build-native:native:-Dbench=true" \
-           "build-asan:x86-64-v2:-Dbench=false -Db_sanitize=address,undefined -Db_lundef=false -Doptimization=1"; do
-  IFS=: read -r dir cpu opts <<<"$cfg"
+# dir:compiler:cpu:more meson options. The sanitized build is clang at -O1: gcc's UBSan instrumentation
+# tripled its compile time (pp_node.cpp: 177 s with gcc, 74 s with clang, 2 shared vCPUs), and its suites run
+# no slower overall than at -O3 (ASan's checks dominate). pp_bench is compiled there (a check that it
+# builds), not in the dispatch build, where its four copies would cost CI ~2.5 min.
+for cfg in "build-dispatch:g++:dispatch:-Dbench=false" \
+           "build-asan:clang++:x86-64-v2:-Dbench=true -Db_sanitize=address,undefined -Db_lundef=false -Doptimization=1"; do
+  IFS=: read -r dir cxx cpu opts <<<"$cfg"
   if [ ! -f "$dir/build.ninja" ]; then
-    meson setup "$dir" -Dcpu="$cpu" $opts >/dev/null || { echo "meson setup $dir failed"; exit 1; }
+    CXX=$cxx meson setup "$dir" -Dcpu="$cpu" $opts >/dev/null || { echo "meson setup $dir failed"; exit 1; }
   fi
   ninja -C "$dir" || { echo "build $dir failed"; echo "0 passed, 1 failed"; exit 1; }
 done
@@ -42,7 +46,7 @@ fi
 # Where this run happened, so that a failure report says on what host (issue 14): the CPU, the load, the
 # kernels each build's tools run (pp_node --version) and whether they are sanitized.
 echo "== host: $(lscpu | sed -n 's/^Model name:[[:space:]]*//p' | head -1), $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)"
-for dir in build-native build-asan; do
+for dir in build-dispatch build-asan; do
   echo "== $dir: $("$dir/tools/pp_node" --version 2>&1 | head -1)"
 done
 [ -n "${PP_NO_AMX:-}" ] && echo "== PP_NO_AMX=$PP_NO_AMX"
@@ -51,7 +55,7 @@ t_start=$(date +%s)
 
 # meson's per-suite timeouts are hang guards, not speed limits: doubled natively, x6 under the sanitizers
 # (ASan node_serve ran 366 s of its 300 x 3 s with a second busy core on a 2-vCPU Zen 5).
-run_suites build-native --timeout-multiplier 2
+run_suites build-dispatch --timeout-multiplier 2
 # Any AddressSanitizer / UndefinedBehaviorSanitizer report or leak fails its test (the tools the contract
 # and fault tests spawn are sanitized too). Sanitized code runs ~2-3x slower (x10 by tests' baseline). Not the soak:
 # its flat-RSS check would only see ASan's quarantine grow.
@@ -63,9 +67,28 @@ else
   echo "clang++ not found: fuzz suite not run"
 fi
 
+# AArch64 under emulation (scripts/test_arm.sh): the unit and golden suites cross-built with sdot
+# (qemu -cpu cortex-a76), the kernel, quantized and golden-kq tests without it (cortex-a53), then a mixed
+# pipeline: this machine's coordinator with an aarch64 worker under qemu. PP_TEST_ARM=0 leaves it out.
+if [ "${PP_TEST_ARM:-1}" = 1 ]; then
+  t_arm=$(date +%s)
+  log=$(mktemp)
+  PP_ARM_NODE=1 PP_ARM_NEON_TESTS=kernels,quant,golden_kq bash scripts/test_arm.sh 2>&1 | tee "$log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+  read -r ok _ fail _ < <(tail -1 "$log")
+  total_ok=$((total_ok + ${ok:-0})); total_fail=$((total_fail + ${fail:-1}))
+  rm -f "$log"
+  if [ -x build-arm/tools/pp_node ]; then
+    PP_ARM_NODE_BIN=$PWD/build-arm/tools/pp_node run_suites build-dispatch --no-rebuild --logbase testlog-mixed mixed_arch
+  else
+    echo "build-arm/tools/pp_node missing: the mixed pipeline test did not run"; total_fail=$((total_fail + 1)); rc=1
+  fi
+  echo "== aarch64 under emulation: $(( $(date +%s) - t_arm )) s"
+fi
+
 # Each suite's time (from meson's test logs), slowest first, then the one summary line.
 echo "== suite times (s), $(( $(date +%s) - t_start )) s in all:"
-for dir in build-native build-asan build-fuzz; do
+for dir in build-dispatch build-asan build-fuzz; do
   [ -f "$dir/meson-logs/testlog.json" ] || continue
   python3 - "$dir" <<'PY'
 import json, sys

@@ -13,6 +13,8 @@
 # at full count they ran 47 min emulated (~1 min natively).
 #   PP_ARM_JOBS=N        parallel compile jobs (default: nproc)
 #   PP_ARM_ONLY=dotprod  only the dotprod build (PP_ARM_ONLY=neon: only the plain one)
+#   PP_ARM_NODE=1        also build build-arm/tools/pp_node, for the mixed pipeline test
+#                        (tests/contract/test_mixed_arch.cpp; scripts/test.sh runs it)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 t_start=$(date +%s)
@@ -40,7 +42,7 @@ cross=cross/aarch64-linux-gnu.ini
 # dir:cpu (-march):qemu cpu:what to run (suites, or test names), comma-separated
 configs=()
 [ "$only" = neon ] || configs+=("build-arm:armv8.2-a+dotprod:cortex-a76:unit,golden")
-[ "$only" = dotprod ] || configs+=("build-arm-neon:armv8-a:cortex-a53:kernels,quant,golden_tiny,golden_kq")
+[ "$only" = dotprod ] || configs+=("build-arm-neon:armv8-a:cortex-a53:${PP_ARM_NEON_TESTS:-kernels,quant,golden_tiny,golden_kq}")
 
 selected() {  # dir, comma-separated suites or test names -> "name program" per selected test
   meson introspect --tests "$1" | python3 -c '
@@ -57,6 +59,7 @@ for cfg in "${configs[@]}"; do
       { echo "meson setup $dir failed"; echo "0 passed, 1 failed"; exit 1; }
   fi
   targets=$(selected "$dir" "$what" | awk -v d="$(cd "$dir" && pwd)/" '{sub(d, "", $2); print $2}' | sort -u)
+  [ "${PP_ARM_NODE:-0}" = 1 ] && [ "$dir" = build-arm ] && targets="$targets tools/pp_node
   ninja -C "$dir" -j "$jobs" $targets || { echo "build $dir failed"; echo "0 passed, 1 failed"; exit 1; }
 done
 t_build=$(date +%s)

@@ -190,7 +190,7 @@ void print_stages(const std::vector<StagePlan>& plans, uint64_t total, const KvE
                 i, role, p.begin, p.end, p.tensors.size(), p.bytes, mib(p.bytes));
     std::string others;
     for (const auto* t : p.tensors)
-      if (block_of(t->name) < 0) others += " " + pp::printable(t->name);
+      if (block_of(t->name) < 0) others.append(" ").append(pp::printable(t->name));
     std::printf("    outside blocks:%s\n", others.empty() ? " (none)" : others.c_str());
     if (!kv.unknown.empty()) {
       std::printf("    memory: weights %s; KV unknown (%s)\n", pp::format_bytes(p.bytes).c_str(),

@@ -3,6 +3,7 @@
 // architecture, and whether prompts take AMX tiles in this process), and whether it is sanitized.
 #pragma once
 
+#include <pp/core/cpu_features.hpp>
 #include <pp/kernels/amx.hpp>
 #include <pp/kernels/matmul.hpp>
 #include <pp/kernels/simd.hpp>
@@ -27,7 +28,8 @@ inline constexpr bool kSanitized =
     false;
 #endif
 
-// "avx512bw + AMX tiles for prompts", "avx512bw, AMX off (PP_NO_AMX=1 or not granted)", "fma3<avx2>, no AMX";
+// "avx512bw + AMX tiles for prompts", "avx512bw, AMX off (PP_NO_AMX=1 or not granted)", "fma3<avx2>, no AMX",
+// and in a dispatch build the target this copy was compiled for;
 // on AArch64 the NEON target and its extensions: "neon64+dotprod", "neon64" (AMX is x86's only).
 inline std::string kernel_description() {
   std::string s = simd::kernel_target();
@@ -37,6 +39,10 @@ inline std::string kernel_description() {
   s += kernels::amx::available() ? " + AMX tiles for prompts" : ", AMX compiled in but off (PP_NO_AMX=1 or not granted)";
 #else
   s += ", no AMX";
+#endif
+#if defined(PP_DISPATCH_TARGET)  // a dispatch build's copy (tools/dispatch/): which one ran, and the choice
+  s += std::string(" (dispatch target ") + PP_DISPATCH_TARGET + "; this CPU runs " +
+       cpu::supported_list(cpu::features()) + "; PP_KERNELS chooses)";
 #endif
   return s;
 }

@@ -28,7 +28,10 @@ struct UsageError {
 inline std::atomic<bool> g_stop_requested{false};
 inline std::atomic<bool> g_terminate_requested{false};
 static_assert(std::atomic<bool>::is_always_lock_free);
-extern "C" inline void on_stop_signal(int sig) {
+// C++ linkage on purpose: a C-linkage name has no namespace, so in a dispatch build every kernel target's
+// copy would share one handler, setting the lowest copy's flag (tools/dispatch/isolate.py refuses such a
+// symbol). GCC and clang give both linkages the same calling convention.
+inline void on_stop_signal(int sig) {
   if (sig == SIGTERM) g_terminate_requested.store(true);
   g_stop_requested.store(true);
 }

@@ -1,0 +1,153 @@
+// What this CPU can run, read once from CPUID and XGETBV (x86-64) or the kernel's hwcaps (AArch64), and
+// the x86-64 kernel targets a dispatch build compiles (meson -Dcpu=dispatch, tools/dispatch/):
+//
+//   target       -march                                   CPUs
+//   sse4.2       x86-64-v2                                every x86-64 from 2009 (Nehalem, Bulldozer)
+//   avx2         x86-64-v3                                Haswell+, Zen 1-3, Intel client chips
+//   avx512       x86-64-v4                                Skylake-X, Cascade Lake, Ice Lake, Tiger Lake
+//   avx512bf16   x86-64-v4 + VNNI, BF16, AMX (runtime)    Cooper Lake, Sapphire Rapids+, Zen 4, Zen 5
+//
+// A target is usable when the CPU has every instruction set its -march enables *and* the OS saves the
+// register state they use (XCR0: YMM for AVX, opmask and ZMM for AVX-512). AMX needs no target of its
+// own: the avx512bf16 target asks the kernel for the tile state at run time (kernels/amx.hpp).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#elif defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#endif
+
+namespace pp::cpu {
+
+struct Features {
+  // x86-64-v2
+  bool sse42 = false, popcnt = false, cx16 = false;
+  // x86-64-v3 (with the OS saving YMM state)
+  bool avx = false, avx2 = false, fma = false, f16c = false, bmi1 = false, bmi2 = false, lzcnt = false,
+       movbe = false;
+  // x86-64-v4 (with the OS saving opmask and ZMM state)
+  bool avx512f = false, avx512bw = false, avx512cd = false, avx512dq = false, avx512vl = false;
+  bool avx512vnni = false, avx512bf16 = false, amx_tile = false, amx_bf16 = false;
+  // AArch64
+  bool neon = false, dotprod = false, bf16 = false;
+};
+
+namespace detail {
+
+#if defined(__x86_64__)
+inline void cpuid(unsigned leaf, unsigned sub, unsigned r[4]) {
+  r[0] = r[1] = r[2] = r[3] = 0;
+  __cpuid_count(leaf, sub, r[0], r[1], r[2], r[3]);
+}
+inline uint64_t xgetbv0() {
+  uint32_t lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (uint64_t(hi) << 32) | lo;
+}
+inline bool bit(unsigned v, int i) { return (v >> i) & 1u; }
+#endif
+
+inline Features detect() {
+  Features f;
+#if defined(__x86_64__)
+  unsigned r[4];
+  cpuid(0, 0, r);
+  const unsigned max_leaf = r[0];
+  cpuid(0x80000000u, 0, r);
+  const unsigned max_ext = r[0];
+  unsigned l1[4] = {}, l7[4] = {}, l71[4] = {}, e1[4] = {};
+  cpuid(1, 0, l1);
+  if (max_leaf >= 7) {
+    cpuid(7, 0, l7);
+    if (l7[0] >= 1) cpuid(7, 1, l71);
+  }
+  if (max_ext >= 0x80000001u) cpuid(0x80000001u, 0, e1);
+  const unsigned ecx1 = l1[2], ebx7 = l7[1], ecx7 = l7[2], edx7 = l7[3], eax71 = l71[0];
+  f.sse42 = bit(ecx1, 20) && bit(ecx1, 19) && bit(ecx1, 9) && bit(ecx1, 0);  // + SSE4.1, SSSE3, SSE3
+  f.popcnt = bit(ecx1, 23);
+  f.cx16 = bit(ecx1, 13);
+  const bool osxsave = bit(ecx1, 27);
+  const uint64_t xcr0 = osxsave ? xgetbv0() : 0;
+  const bool ymm = (xcr0 & 0x6) == 0x6;     // SSE and AVX state
+  const bool zmm = (xcr0 & 0xe6) == 0xe6;   // + opmask, ZMM_Hi256, Hi16_ZMM
+  f.avx = ymm && bit(ecx1, 28);
+  f.fma = f.avx && bit(ecx1, 12);
+  f.f16c = f.avx && bit(ecx1, 29);
+  f.movbe = bit(ecx1, 22);
+  f.avx2 = f.avx && bit(ebx7, 5);
+  f.bmi1 = bit(ebx7, 3);
+  f.bmi2 = bit(ebx7, 8);
+  f.lzcnt = bit(e1[2], 5);
+  f.avx512f = zmm && bit(ebx7, 16);
+  f.avx512dq = f.avx512f && bit(ebx7, 17);
+  f.avx512cd = f.avx512f && bit(ebx7, 28);
+  f.avx512bw = f.avx512f && bit(ebx7, 30);
+  f.avx512vl = f.avx512f && bit(ebx7, 31);
+  f.avx512vnni = f.avx512f && bit(ecx7, 11);
+  f.avx512bf16 = f.avx512f && bit(eax71, 5);
+  f.amx_bf16 = bit(edx7, 22);
+  f.amx_tile = bit(edx7, 24);
+#elif defined(__aarch64__)
+  f.neon = true;  // Advanced SIMD is part of the base AArch64 ISA
+#if defined(__linux__)
+  const unsigned long hw = getauxval(AT_HWCAP), hw2 = getauxval(AT_HWCAP2);
+  f.dotprod = (hw >> 20) & 1;  // HWCAP_ASIMDDP
+  f.bf16 = (hw2 >> 14) & 1;    // HWCAP2_BF16
+#endif
+#endif
+  return f;
+}
+
+}  // namespace detail
+
+// This CPU, detected once.
+inline const Features& features() {
+  static const Features f = detail::detect();
+  return f;
+}
+
+// The x86-64 kernel targets of a dispatch build, the lowest first.
+enum class Target { Sse42, Avx2, Avx512, Avx512Bf16 };
+inline constexpr Target kTargets[] = {Target::Sse42, Target::Avx2, Target::Avx512, Target::Avx512Bf16};
+
+inline constexpr std::string_view name(Target t) {
+  switch (t) {
+    case Target::Sse42: return "sse4.2";
+    case Target::Avx2: return "avx2";
+    case Target::Avx512: return "avx512";
+    case Target::Avx512Bf16: return "avx512bf16";
+  }
+  return "?";
+}
+
+// Whether `f` runs every instruction the target's -march lets the compiler emit.
+inline bool supports(const Features& f, Target t) {
+  const bool v2 = f.sse42 && f.popcnt && f.cx16;
+  const bool v3 = v2 && f.avx2 && f.fma && f.f16c && f.bmi1 && f.bmi2 && f.lzcnt && f.movbe;
+  const bool v4 = v3 && f.avx512f && f.avx512bw && f.avx512cd && f.avx512dq && f.avx512vl;
+  switch (t) {
+    case Target::Sse42: return v2;
+    case Target::Avx2: return v3;
+    case Target::Avx512: return v4;
+    case Target::Avx512Bf16: return v4 && f.avx512vnni && f.avx512bf16;
+  }
+  return false;
+}
+
+// "sse4.2 avx2 avx512": the targets `f` can run.
+inline std::string supported_list(const Features& f) {
+  std::string s;
+  for (Target t : kTargets)
+    if (supports(f, t)) {
+      if (!s.empty()) s += ' ';
+      s += name(t);
+    }
+  return s;
+}
+
+}  // namespace pp::cpu
