@@ -5,7 +5,8 @@ pkgs=(meson ninja-build g++ pkg-config python3 libxsimd-dev libeigen3-dev google
       libbenchmark-dev nlohmann-json3-dev libcli11-dev libpcre2-dev libssl-dev
       libcpp-httplib-dev  # pp_node --serve's HTTP server (pkg-config cpp-httplib)
       libedit-dev  # pp_node --chat's line editing and history on a terminal (optional: plain lines without it)
-      clang libclang-rt-14-dev)  # clang + its runtimes: the libFuzzer targets (docs/HARDENING.md)
+      clang libclang-rt-14-dev  # clang + its runtimes: the sanitized build, the libFuzzer targets (docs/HARDENING.md)
+      qemu-user-static)  # older x86-64 CPUs emulated for the dispatch test (tests/contract/test_dispatch.cpp), aarch64
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -3,6 +3,7 @@
 #include <pp/text/sampler.hpp>
 
 #include "../common/reference_sampler.hpp"
+#include "../common/timing.hpp"
 
 #include <gtest/gtest.h>
 
@@ -17,13 +18,9 @@
 
 namespace {
 
-// Draws are divided by this: 10 under ASan, times $PP_TEST_DRAW_DIVISOR (scripts/test_arm.sh sets 20
-// under qemu, where a draw at the Llama-3 vocabulary takes ~50x its native time).
-#if defined(__SANITIZE_ADDRESS__)
-constexpr int kSanitizerScale = 10;
-#else
-constexpr int kSanitizerScale = 1;
-#endif
+// Draws are divided by this: 10 under ASan (gcc's or clang's), times $PP_TEST_DRAW_DIVISOR
+// (scripts/test_arm.sh sets 20 under qemu, where a draw at the Llama-3 vocabulary takes ~50x its native time).
+constexpr int kSanitizerScale = pp::test::kSanitized ? 10 : 1;
 const int kScale = [] {
   const char* d = std::getenv("PP_TEST_DRAW_DIVISOR");
   const int v = d ? std::atoi(d) : 1;

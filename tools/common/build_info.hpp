@@ -36,7 +36,9 @@ inline std::string kernel_description() {
 #if XSIMD_WITH_NEON64
   // no tile engine to report
 #elif PP_HAVE_AMX
-  s += kernels::amx::available() ? " + AMX tiles for prompts" : ", AMX compiled in but off (PP_NO_AMX=1 or not granted)";
+  s += kernels::amx::available()   ? " + AMX tiles for prompts"
+       : !cpu::features().amx_tile ? ", no AMX on this CPU"
+                                   : ", AMX compiled in but off (PP_NO_AMX=1 or not granted)";
 #else
   s += ", no AMX";
 #endif
