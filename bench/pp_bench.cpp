@@ -163,7 +163,7 @@ BENCHMARK(BM_MatmulBulk)
     ->UseRealTime();
 
 // One core's arithmetic peak, the ceiling BM_MatmulBulk's GFLOP/s are read against: 0 = f32 FMA of the
-// best compiled-in SIMD target (simd::fma), 1 = the bf16 dot (vdpbf16ps, two products a lane) where
+// best compiled-in SIMD target (simd::fma), 1 = the bf16 dot (vdpbf16ps / bfdot, two products a lane) where
 // compiled in. 24 independent accumulator chains hide the instructions' latency; nothing is loaded.
 void BM_Peak(benchmark::State& st) {
   constexpr int kChains = 24, kSteps = 1 << 16;
@@ -180,7 +180,7 @@ void BM_Peak(benchmark::State& st) {
     }
     flops_per_step = 2.0 * B::size * kChains;
   } else {
-#if defined(__AVX512BF16__)
+#if PP_HAVE_BF16_DOT
     using D = pp::simd::Bf16Dot;
     D::Acc acc[kChains];
     for (auto& c : acc) c = D::zero();
@@ -191,7 +191,7 @@ void BM_Peak(benchmark::State& st) {
         for (auto& c : acc) c = D::dot(c, v, v);
       for (auto& c : acc) benchmark::DoNotOptimize(c);
     }
-    flops_per_step = 4.0 * 16 * kChains;
+    flops_per_step = 4.0 * D::kLanes * kChains;
 #else
     st.SkipWithError("no bf16 dot in this build");
     return;

@@ -69,7 +69,8 @@ else
 fi
 
 # AArch64 under emulation (scripts/test_arm.sh): the unit and golden suites cross-built with sdot
-# (qemu -cpu cortex-a76), the kernel, quantized and golden-kq tests without it (cortex-a53), then a mixed
+# (qemu -cpu cortex-a76), the kernel, quantized and golden-kq tests without it (cortex-a53), the kernel,
+# split and golden-tiny tests with bfdot (armv8.6-a on qemu -cpu max: the BF16 fast path), then a mixed
 # pipeline: this machine's coordinator with an aarch64 worker under qemu. PP_TEST_ARM=0 leaves it out.
 if [ "${PP_TEST_ARM:-1}" = 1 ]; then
   t_arm=$(date +%s)

@@ -4,6 +4,8 @@
 # lacks) what it needs:
 #   build-arm       -march=armv8.2-a+dotprod (sdot integer dots)  suites unit + golden        qemu -cpu cortex-a76
 #   build-arm-neon  -march=armv8-a (plain NEON, no sdot)          kernels, quant, golden_*    qemu -cpu cortex-a53
+#   build-arm-bf16  -march=armv8.6-a (sdot + bfdot: the BF16       kernels, split, golden_tiny qemu -cpu max
+#                   fast path, simd::Bf16Dot)
 # Installs what it needs (root or sudo): the cross compiler, qemu-user-static, and the :arm64 multiarch
 # packages of the libraries the tests link (Debian's header-only Arch: all ones serve both machines).
 # Ends with each test's time and one "N passed, N failed" line; exits non-zero on any failure.
@@ -12,7 +14,7 @@
 # and golden tests ~2.5 min plus unit/sampler, whose draws are cut 20-fold here (PP_TEST_DRAW_DIVISOR):
 # at full count they ran 47 min emulated (~1 min natively).
 #   PP_ARM_JOBS=N        parallel compile jobs (default: nproc)
-#   PP_ARM_ONLY=dotprod  only the dotprod build (PP_ARM_ONLY=neon: only the plain one)
+#   PP_ARM_ONLY=dotprod  only the dotprod build (PP_ARM_ONLY=neon: only the plain one; =bf16: only armv8.6-a)
 #   PP_ARM_SKIP=a,b      tests not to run (scripts/test.sh: golden_tiny_no_amx, which repeats golden_tiny here)
 #   PP_ARM_DRAW_DIVISOR  unit/sampler's draws divided by this (default 20)
 #   PP_ARM_NODE=1        also build build-arm/tools/pp_node, for the mixed pipeline test
@@ -43,8 +45,9 @@ t_deps=$(date +%s)
 cross=cross/aarch64-linux-gnu.ini
 # dir:cpu (-march):qemu cpu:what to run (suites, or test names), comma-separated
 configs=()
-[ "$only" = neon ] || configs+=("build-arm:armv8.2-a+dotprod:cortex-a76:unit,golden")
-[ "$only" = dotprod ] || configs+=("build-arm-neon:armv8-a:cortex-a53:${PP_ARM_NEON_TESTS:-kernels,quant,golden_tiny,golden_kq}")
+[ -z "$only" ] || [ "$only" = dotprod ] && configs+=("build-arm:armv8.2-a+dotprod:cortex-a76:unit,golden")
+[ -z "$only" ] || [ "$only" = neon ] && configs+=("build-arm-neon:armv8-a:cortex-a53:${PP_ARM_NEON_TESTS:-kernels,quant,golden_tiny,golden_kq}")
+[ -z "$only" ] || [ "$only" = bf16 ] && configs+=("build-arm-bf16:armv8.6-a:max:${PP_ARM_BF16_TESTS:-kernels,split,golden_tiny}")
 
 selected() {  # dir, comma-separated suites or test names -> "name program" per selected test
   meson introspect --tests "$1" | python3 -c '
@@ -65,6 +68,7 @@ for cfg in "${configs[@]}"; do
   fi
   targets=$(selected "$dir" "$what" | awk -v d="$(cd "$dir" && pwd)/" '{sub(d, "", $2); print $2}' | sort -u)
   [ "${PP_ARM_NODE:-0}" = 1 ] && [ "$dir" = build-arm ] && targets="$targets tools/pp_node"
+  [ "$dir" = build-arm-bf16 ] && targets="$targets tools/pp_generate"  # the CPU check below
   ninja -C "$dir" -j "$jobs" $targets || { echo "build $dir failed"; echo "0 passed, 1 failed"; exit 1; }
 done
 t_build=$(date +%s)
@@ -90,6 +94,24 @@ for cfg in "${configs[@]}"; do
   echo "== $dir: $(( $(date +%s) - t0 )) s under qemu -cpu $qcpu"
   rm -f "$log"
 done
+
+# ---- A build for a better CPU on a lesser one (tools/common/build_info.hpp, cpu::missing_for_build): the
+# armv8.6-a pp_generate on qemu -cpu cortex-a76 (sdot, no bf16) must exit 2 naming bfdot, not die of
+# SIGILL; on -cpu max it must run and name its kernels. ----
+if [ -x build-arm-bf16/tools/pp_generate ]; then
+  out=$(QEMU_CPU=cortex-a76 qemu-aarch64-static build-arm-bf16/tools/pp_generate --version 2>&1); st=$?
+  if [ $st -eq 2 ] && [[ "$out" == *bfdot*"which this CPU lacks"* ]]; then
+    echo "== cpu check: armv8.6-a build on cortex-a76 exits 2: $out"; total_ok=$((total_ok + 1))
+  else
+    echo "== cpu check FAILED: armv8.6-a build on cortex-a76 exited $st: $out"; total_fail=$((total_fail + 1)); rc=1
+  fi
+  out=$(QEMU_CPU=max qemu-aarch64-static build-arm-bf16/tools/pp_generate --version 2>&1); st=$?
+  if [ $st -eq 0 ] && [[ "$out" == *"kernels neon64+dotprod+bf16"* ]]; then
+    echo "== cpu check: armv8.6-a build on max runs: $out"; total_ok=$((total_ok + 1))
+  else
+    echo "== cpu check FAILED: armv8.6-a build on max exited $st: $out"; total_fail=$((total_fail + 1)); rc=1
+  fi
+fi
 
 echo "== test times (s):"
 for cfg in "${configs[@]}"; do

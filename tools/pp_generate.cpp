@@ -36,6 +36,7 @@ nlohmann::json rows_json(const std::vector<float>& v, std::size_t n, std::size_t
 int main(int argc, char** argv) {
   using pp::tools::kExitFailed;
   using pp::tools::kExitUsage;
+  if (!pp::tools::cpu_runs_this_build("pp_generate")) return kExitUsage;
   CLI::App app{"pp_generate: run a Llama GGUF in one process (optionally as chained stages).\n"
                "The generated text alone goes to stdout (the token ids with --ids); everything else to stderr."};
   app.footer(std::string(pp::tools::kExitFooter) + "\nEnvironment: PP_THREADS (--threads), PP_CTX (--ctx), PP_EXACT_FLOAT=1 "

@@ -332,6 +332,7 @@ int run(const Cli& c) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (!pp::tools::cpu_runs_this_build("pp_node")) return pp::tools::kExitUsage;
   std::signal(SIGPIPE, SIG_IGN);  // sockets use MSG_NOSIGNAL; this covers a closed stdout pipe too
   CLI::App app{"pp_node: a forward pass split at layer boundaries across machines over TCP.\n"
                "With --model it runs the real model (workers get their layer range in the handshake);\n"

@@ -139,6 +139,7 @@ int serve(const WorkerConfig& cfg) {
 
 int main(int argc, char** argv) {
   std::set_terminate(on_terminate);
+  if (!pp::tools::cpu_runs_this_build("pp_worker")) return pp::tools::kExitUsage;
   CliOptions cli;
   CLI::App app{"pp_worker: one Llama-3.2 pipeline stage over stdin/stdout JSON lines.\n"
                "Environment: STAGE, NUM_STAGES (required), MODEL (--model), PP_CTX (--ctx), PP_THREADS (--threads),\n"

@@ -57,7 +57,7 @@ struct StageOptions {
   // math on tests/data/golden-kq, 1.3-3.5x faster), or false for the exact path (weights dequantized to
   // f32 inside the dot, within 1e-3 of float64). Float weights ignore it.
   bool fast_quant = true;
-  // BF16 weights: activations rounded to bf16 and the CPU's bf16 dot (AVX512-BF16), in prompts and
+  // BF16 weights: activations rounded to bf16 and the CPU's bf16 dot (AVX512-BF16, AArch64 BF16), in prompts and
   // decode steps alike, llama.cpp's numerics; or false for the exact path (f32 activations, within 1e-3
   // of float64). Unset: kernels::fast_float_default(), fast where the bf16 dot exists and AMX does not.
   // Other weight types ignore it.

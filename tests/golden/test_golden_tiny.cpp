@@ -101,7 +101,7 @@ INSTANTIATE_TEST_SUITE_P(AllFiles, GoldenTiny,
 class GoldenTinyFast : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(GoldenTinyFast, Bf16PromptWithinLlamaCppsDistanceOfExact) {
-  if (!pp::kernels::gemm::kHaveFastBf16) GTEST_SKIP() << "no bf16 dot in this build (AVX512-BF16): no fast path";
+  if (!pp::kernels::gemm::kHaveFastBf16) GTEST_SKIP() << "no bf16 dot in this build (AVX512-BF16, AArch64 BF16): no fast path";
   const std::string prompt = GetParam();
   const auto dir = pp::test::data_dir() / "golden-tiny";
   const json ref = pp::test::load_json(dir / ("golden-tiny-bf16." + prompt + ".exact.json"));

@@ -1,4 +1,5 @@
 // Kernels on every compiled-in architecture against float64 (Eigen) oracles; bf16/f16 conversions bit-exact.
+#include <pp/core/cpu_features.hpp>
 #include <pp/core/float16.hpp>
 #include <pp/kernels/attention.hpp>
 #include <pp/kernels/matmul.hpp>
@@ -20,6 +21,35 @@ using pp::test::for_each_arch;
 using pp::test::f64;
 
 using pp::test::randv;
+
+// cpu::missing_for_build, which the tools ask before anything else (a build for a better CPU exits 2
+// naming what is missing, instead of SIGILL): this CPU runs this test's build (it is running it), and a
+// CPU with no extension at all lacks each instruction set the build's -march enables.
+TEST(CpuFeatures, MissingForBuildNamesWhatTheBuildUses) {
+  EXPECT_EQ(pp::cpu::missing_for_build(pp::cpu::features()), "");
+  const std::string none = pp::cpu::missing_for_build(pp::cpu::Features{});
+  std::vector<std::string> want;
+#if defined(__SSE4_2__)
+  want.push_back("SSE4.2");
+#endif
+#if defined(__AVX2__)
+  want.push_back("AVX2");
+#endif
+#if defined(__AVX512BW__)
+  want.push_back("AVX-512BW");
+#endif
+#if defined(__AVX512BF16__)
+  want.push_back("AVX-512 BF16");
+#endif
+#if defined(__ARM_FEATURE_DOTPROD)
+  want.push_back("sdot");
+#endif
+#if defined(__ARM_FEATURE_BF16_VECTOR_ARITHMETIC)
+  want.push_back("bfdot");
+#endif
+  for (const std::string& w : want) EXPECT_NE(none.find(w), std::string::npos) << w << " not in: " << none;
+  if (want.empty()) EXPECT_EQ(none, "");  // plain AArch64: NEON is in every AArch64 CPU
+}
 
 TEST(Float16, Bf16RoundTripAndRounding) {
   for (uint32_t h = 0; h < 65536; ++h) {
@@ -275,13 +305,13 @@ TEST(Gemm, EveryTypeAndArchAgainstOracleAndShapeInvariant) {
 }  // namespace
 
 namespace {
-// The fast path of BF16 weights (gemm.hpp, AVX512-BF16): against a float64 oracle on the bf16-rounded
+// The fast path of BF16 weights (gemm.hpp, AVX512-BF16 or AArch64 BF16): against a float64 oracle on the bf16-rounded
 // activations (products of two bf16 are exact in f32, so only the f32 sums round), full and last row
 // blocks, partial token blocks, odd k (a last pair with a zero partner), several token chunks; bit-identical whatever the token count and the row range of a task; and
 // through kernels::matmul for bulk rows with fast_float, independent of the thread count.
 TEST(GemmFastBf16, AgainstOracleOnRoundedActivationsAndShapeInvariant) {
-  if (!pp::kernels::gemm::kHaveFastBf16) GTEST_SKIP() << "no AVX512-BF16 in this build";
-#if defined(__AVX512BF16__)
+  if (!pp::kernels::gemm::kHaveFastBf16) GTEST_SKIP() << "no bf16 dot in this build (AVX512-BF16, AArch64 BF16)";
+#if PP_HAVE_BF16_DOT
   std::mt19937 rng(9);
   for (std::size_t cols : {32, 37, 64, 201, 2048})
     for (std::size_t rows : {1, 3, 4, 9, 23}) {
@@ -322,7 +352,7 @@ TEST(GemmFastBf16, AgainstOracleOnRoundedActivationsAndShapeInvariant) {
 // 64- and 32-element tail; every row of an m-row request bit-identical to the same row alone (m up to
 // 15: full and partial 4-token and 4-row tiles) and to any thread count; and not the exact path's result.
 TEST(MatmulFastBf16, DecodeRowsAgainstOracleAndEqualAlone) {
-  if (!pp::kernels::gemm::kHaveFastBf16) GTEST_SKIP() << "no AVX512-BF16 in this build";
+  if (!pp::kernels::gemm::kHaveFastBf16) GTEST_SKIP() << "no bf16 dot in this build (AVX512-BF16, AArch64 BF16)";
   std::mt19937 rng(11);
   for (std::size_t cols : {32, 37, 64, 96, 201, 2048})
     for (std::size_t rows : {1, 5, 17, 40}) {

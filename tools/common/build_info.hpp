@@ -8,6 +8,7 @@
 #include <pp/kernels/matmul.hpp>
 #include <pp/kernels/simd.hpp>
 
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -62,6 +63,25 @@ inline std::string version_line(const std::string& tool) {
   return tool + " " + PP_VERSION + " (git " + PP_GIT_COMMIT + "); kernels " + kernel_description() +
          (kernels::fast_float_default() ? "; BF16 on the bf16 dot" : "; BF16 exact") + "; sanitized " +
          (kSanitized ? "yes (ASan)" : "no");
+}
+
+// Whether this CPU runs every instruction set the build was compiled for (cpu::missing_for_build). If
+// not, says which it lacks and what to do on stderr, and returns false: the tool exits kExitUsage
+// instead of dying of SIGILL in its first kernel.
+inline bool cpu_runs_this_build(const char* tool) {
+  const std::string missing = cpu::missing_for_build(cpu::features());
+  if (missing.empty()) return true;
+  std::fprintf(stderr,
+               "%s: this build's kernels (%s) use %s, which this CPU lacks: build pp on this machine "
+               "(meson setup -Dcpu=native) or for a lower -Dcpu%s\n",
+               tool, simd::kernel_target(), missing.c_str(),
+#if defined(__x86_64__)
+               ", or use a dispatch build (-Dcpu=dispatch), which picks its kernels at run time"
+#else
+               ""
+#endif
+  );
+  return false;
 }
 
 }  // namespace pp::tools

@@ -7,6 +7,13 @@
 //   avx512       x86-64-v4                                Skylake-X, Cascade Lake, Ice Lake, Tiger Lake
 //   avx512bf16   x86-64-v4 + VNNI, BF16, AMX (runtime)    Cooper Lake, Sapphire Rapids+, Zen 4, Zen 5
 //
+// A build for one CPU run on a lesser one (an armv8.6-a build on a Raspberry Pi 5) would die of SIGILL
+// at its first kernel: missing_for_build() names what the build uses and the CPU lacks, and the tools
+// ask it first thing in main, so they say so instead (exit 2). That works where nothing before main
+// uses the missing instructions: on AArch64, whose compilers do not put sdot / bfdot into library
+// code; an x86-64 -march=native build may already use AVX-512 in static initializers (CLI11's
+// validators, under qemu-x86_64 -cpu Haswell), which is what the dispatch build (the default) is for.
+//
 // A target is usable when the CPU has every instruction set its -march enables *and* the OS saves the
 // register state they use (XCR0: YMM for AVX, opmask and ZMM for AVX-512). AMX needs no target of its
 // own: the avx512bf16 target asks the kernel for the tile state at run time (kernels/amx.hpp).
@@ -148,6 +155,49 @@ inline std::string supported_list(const Features& f) {
       s += name(t);
     }
   return s;
+}
+
+// The instruction sets the including code was compiled to use (its -march, as the compiler's feature
+// macros tell) that `f` lacks, comma-separated; "" when `f` runs them all. AMX is not among them: it is
+// enabled at run time only where present (kernels/amx.hpp).
+inline std::string missing_for_build(const Features& f) {
+  std::string m;
+  [[maybe_unused]] auto need = [&m](bool have, const char* what) {
+    if (have) return;
+    if (!m.empty()) m += ", ";
+    m += what;
+  };
+#if defined(__SSE4_2__)
+  need(f.sse42, "SSE4.2");
+#endif
+#if defined(__AVX2__)
+  need(f.avx2, "AVX2");
+#endif
+#if defined(__FMA__)
+  need(f.fma, "FMA");
+#endif
+#if defined(__F16C__)
+  need(f.f16c, "F16C");
+#endif
+#if defined(__AVX512F__)
+  need(f.avx512f, "AVX-512F");
+#endif
+#if defined(__AVX512BW__)
+  need(f.avx512bw, "AVX-512BW");
+#endif
+#if defined(__AVX512VNNI__)
+  need(f.avx512vnni, "AVX-512 VNNI");
+#endif
+#if defined(__AVX512BF16__)
+  need(f.avx512bf16, "AVX-512 BF16");
+#endif
+#if defined(__ARM_FEATURE_DOTPROD)
+  need(f.dotprod, "the dot-product extension (sdot; -march=armv8.2-a+dotprod)");
+#endif
+#if defined(__ARM_FEATURE_BF16_VECTOR_ARITHMETIC)
+  need(f.bf16, "BF16 (bfdot; -march=armv8.6-a or +bf16)");
+#endif
+  return m;
 }
 
 }  // namespace pp::cpu

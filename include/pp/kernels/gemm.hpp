@@ -10,9 +10,10 @@
 // A row block stays in cache while every token block of a chunk passes over it; a chunk's packed
 // tokens stay in L2 (kChunkBytes).
 //
-// The fast path of BF16 weights (AVX512-BF16, StageOptions::fast_float): the activations rounded to
-// bf16 as they are packed, in pairs of k (PackedX::pairs), and the tile's step is vdpbf16ps with one
-// weight pair broadcast per row, 32 products an instruction: llama.cpp's numerics for a BF16 matmul.
+// The fast path of BF16 weights (simd::Bf16Dot: AVX512-BF16 or AArch64 BF16; StageOptions::fast_float):
+// the activations rounded to bf16 as they are packed, in pairs of k (PackedX::pairs), and the tile's step
+// is a bf16 dot (vdpbf16ps, bfdot) with one weight pair broadcast per row, two products a lane:
+// llama.cpp's numerics for a BF16 matmul.
 //
 // Numerics: each (row, token) output is one chain over k in order (exact path: acc = fma(w_k, x_k, acc);
 // fast path: acc += w_k x_k + w_k+1 x_k+1 per pair) in its own lane: the same operations whatever the
@@ -132,22 +133,23 @@ inline void tile(const float* w, const float* xt, std::size_t k, float* out, boo
     for (int v = 0; v < kVecs; ++v) acc[r][v].store_aligned(out + std::size_t(r) * TB + v * W);
 }
 
-#if defined(__AVX512BF16__)
-inline constexpr int kBf16Rows = 12;  // the fast tile's rows: 24 accumulators, 2 token vectors, 1 broadcast
+#if PP_HAVE_BF16_DOT
+// The fast tile's rows: 24 accumulators, 2 token vectors, 1 broadcast (32 zmm on AVX-512, 32 q on NEON).
+inline constexpr int kBf16Rows = 12;
 
 // The fast path's tile: xt packed in pairs, w R rows of bf16 `ws` elements apart, k elements each; with
 // `resume`, the chains go on from the values in out.
 template <int R>
 inline void tile_bf16(const uint16_t* w, std::size_t ws, const uint32_t* xt, std::size_t k, float* out, bool resume) {
   using D = simd::Bf16Dot;
-  static_assert(kBlockTokens == 2 * 16);
-  constexpr std::size_t TB = kBlockTokens;
+  constexpr std::size_t TB = kBlockTokens, L = D::kLanes;
+  static_assert(TB == 2 * L, "a block is the tile's two token vectors");
   D::Acc acc[R][2];
   for (int r = 0; r < R; ++r)
-    if (resume) acc[r][0] = D::load_acc(out + std::size_t(r) * TB), acc[r][1] = D::load_acc(out + std::size_t(r) * TB + 16);
+    if (resume) acc[r][0] = D::load_acc(out + std::size_t(r) * TB), acc[r][1] = D::load_acc(out + std::size_t(r) * TB + L);
     else acc[r][0] = acc[r][1] = D::zero();
   auto step = [&](std::size_t s, auto&& weight_pair) {
-    const D::Vec x0 = D::load(xt + s * TB), x1 = D::load(xt + s * TB + 16);
+    const D::Vec x0 = D::load(xt + s * TB), x1 = D::load(xt + s * TB + L);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const D::Vec wb = D::broadcast_pair(weight_pair(r));
@@ -165,7 +167,7 @@ inline void tile_bf16(const uint16_t* w, std::size_t ws, const uint32_t* xt, std
   if (k % 2) step(s, [&](int r) { return uint32_t(w[std::size_t(r) * ws + k - 1]); });  // partner 0
   for (int r = 0; r < R; ++r) {
     D::store(out + std::size_t(r) * TB, acc[r][0]);
-    D::store(out + std::size_t(r) * TB + 16, acc[r][1]);
+    D::store(out + std::size_t(r) * TB + L, acc[r][1]);
   }
 }
 #endif
@@ -182,7 +184,7 @@ constexpr auto table(std::integer_sequence<int, R...>) {
 template <class A>
 inline constexpr auto kTable = table<A>(std::make_integer_sequence<int, kRows<A>>{});
 
-#if defined(__AVX512BF16__)
+#if PP_HAVE_BF16_DOT
 using Bf16TileFn = void (*)(const uint16_t*, std::size_t, const uint32_t*, std::size_t, float*, bool);
 template <int... R>
 constexpr auto bf16_table(std::integer_sequence<int, R...>) {
@@ -325,10 +327,10 @@ inline void matmul_packed(const MatView& w, const PackedX& x, float* y, std::siz
                    tile);
 }
 
-// The fast path of BF16 weights exists on this build (AVX512-BF16 compiled in).
+// The fast path of BF16 weights exists on this build (a bf16 dot compiled in: simd::Bf16Dot).
 inline constexpr bool kHaveFastBf16 = simd::kHaveBf16Dot;
 
-#if defined(__AVX512BF16__)
+#if PP_HAVE_BF16_DOT
 // y[m, w.rows] (rows [r0, r1) only) = x * w^T for BF16 weights, x packed by pack(..., pairs = true).
 inline void matmul_packed_bf16(const MatView& w, const PackedX& x, float* y, std::size_t r0, std::size_t r1) {
   constexpr std::size_t TB = kBlockTokens;
@@ -353,7 +355,7 @@ inline void matmul_rows(const MatView& w, const float* x, std::size_t m, float* 
                         bool fast_bf16 = false) {
   PackedX p;
   pack(x, m, w.cols, fast_bf16, p);
-#if defined(__AVX512BF16__)
+#if PP_HAVE_BF16_DOT
   if (fast_bf16) return matmul_packed_bf16(w, p, y, r0, r1);
 #endif
   matmul_packed<A>(w, p, y, r0, r1);

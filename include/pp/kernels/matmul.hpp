@@ -85,10 +85,10 @@ inline void matmul_rows_typed(const MatView& w, const float* x, std::size_t m, f
   }
 }
 
-#if defined(__AVX512BF16__)
+#if PP_HAVE_BF16_DOT
 // The fast path's dot kernel (BF16 weights, activations rounded to bf16: xb): y[t * ys + r] =
-// dot(w[r * ws + (0, n)], xb[t * xs + (0, n)]) for r < R rows, t < T tokens, vdpbf16ps. R x T
-// accumulators, one a (row, token) pair, each summing its 32-element steps in order: a row's result
+// dot(w[r * ws + (0, n)], xb[t * xs + (0, n)]) for r < R rows, t < T tokens, the bf16 dot (Bf16Dot). R x T
+// accumulators, one a (row, token) pair, each summing its Bf16Dot::kElems-element steps in order: a row's result
 // does not depend on the rows and tokens beside it. Each weight vector loaded serves T tokens and each
 // activation vector R rows, so the tile computes rather than loads.
 template <int R, int T>
@@ -167,7 +167,7 @@ inline void matmul_rows(const MatView& w, const float* x, std::size_t m, float* 
 // The numeric path of a matmul. Quantized weights: exact = weights dequantized to f32 inside the dot;
 // fast = x's rows quantized once per call into the caller's `xq`, integer dot products. BF16 weights with
 // fast_float (where the CPU has a bf16 dot, gemm::kHaveFastBf16): x rounded to bf16 as gemm.hpp packs
-// it, vdpbf16ps (the tiles for bulk requests, dot_tile_bf16 for decode steps), llama.cpp's numerics;
+// it, the bf16 dot: vdpbf16ps or bfdot (the tiles for bulk requests, dot_tile_bf16 for decode steps), llama.cpp's numerics;
 // otherwise float weights are exact.
 struct QuantPath {
   bool fast = false;
@@ -258,14 +258,14 @@ inline void matmul(ThreadPool& pool, const MatView& w, const float* x, std::size
     pool.parallel_for(px.blocks(), [&](std::size_t b, std::size_t e, unsigned) { gemm::pack_blocks(x, px, b, e); });
     pool.parallel_for(n_tasks, [&](std::size_t b, std::size_t e, unsigned) {
       const std::size_t r0 = b * kGrain, r1 = std::min(e * kGrain, w.rows);
-#if defined(__AVX512BF16__)
+#if PP_HAVE_BF16_DOT
       if (fast_bf16) return gemm::matmul_packed_bf16(w, px, y, r0, r1);
 #endif
       gemm::matmul_packed<A>(w, px, y, r0, r1);
     });
     return;
   }
-#if defined(__AVX512BF16__)
+#if PP_HAVE_BF16_DOT
   if (fast_bf16) {
     // x rounded to bf16 once per call (as gemm.hpp packs it), into the caller's buffer (see above).
     // Rows 64-byte aligned (a vector load across two cache lines costs a second access in every tile

@@ -299,14 +299,20 @@ inline fbatch<A> load(F16w, const uint16_t* p) {
   return fbatch<A>(widen_f16(p, A{}));
 }
 
-// ---- bf16 dot products (AVX512-BF16: Zen 4/5, Cooper Lake, Sapphire Rapids): the fast path of BF16
-// weights, activations rounded to bf16 as llama.cpp rounds them. vdpbf16ps sums 32 bf16 products per
-// instruction into 16 f32 lanes (two products a lane), twice the products of an f32 FMA. ----
+// ---- bf16 dot products: the fast path of BF16 weights, activations rounded to bf16 as llama.cpp rounds
+// them. Each f32 lane of an accumulator adds two bf16 products a step, twice the products of an f32
+// FMA. x86-64: AVX512-BF16 (Zen 4/5, Cooper Lake, Sapphire Rapids), vdpbf16ps, 16 lanes. AArch64: the
+// BF16 extension (__ARM_FEATURE_BF16_VECTOR_ARITHMETIC, e.g. -march=armv8.6-a: Neoverse V1/V2/N2,
+// Graviton 3/4, Apple M2+), bfdot, 4 lanes; its pair sum rounds to odd where vdpbf16ps rounds to
+// nearest, so the two agree to the f32 rounding of a chain, not bit for bit. Both flush subnormals.
+// PP_HAVE_BF16_DOT: this build has one. ----
 #if defined(__AVX512BF16__)
+#define PP_HAVE_BF16_DOT 1
 inline constexpr bool kHaveBf16Dot = true;
 struct Bf16Dot {
   using Acc = __m512;
   using Vec = __m512i;
+  static constexpr std::size_t kLanes = 16;  // f32 lanes of Acc, bf16 pairs of Vec
   static Acc zero() { return _mm512_setzero_ps(); }
   static Vec load(const uint32_t* p) { return _mm512_load_si512(p); }  // 64-byte aligned: 16 bf16 pairs
   static Vec broadcast_pair(uint32_t pair) { return _mm512_set1_epi32(int(pair)); }
@@ -321,7 +327,30 @@ struct Bf16Dot {
   }
   static float sum(Acc a) { return _mm512_reduce_add_ps(a); }
 };
+#elif XSIMD_WITH_NEON64 && defined(__ARM_FEATURE_BF16_VECTOR_ARITHMETIC)
+#define PP_HAVE_BF16_DOT 1
+inline constexpr bool kHaveBf16Dot = true;
+struct Bf16Dot {
+  using Acc = float32x4_t;
+  using Vec = bfloat16x8_t;
+  static constexpr std::size_t kLanes = 4;
+  static Acc zero() { return vdupq_n_f32(0.f); }
+  static Vec load(const uint32_t* p) { return vreinterpretq_bf16_u32(vld1q_u32(p)); }
+  static Vec broadcast_pair(uint32_t pair) { return vreinterpretq_bf16_u32(vdupq_n_u32(pair)); }
+  static void store(float* p, Acc a) { vst1q_f32(p, a); }
+  static Acc load_acc(const float* p) { return vld1q_f32(p); }
+  static Acc dot(Acc acc, Vec w, Vec x) { return vbfdotq_f32(acc, w, x); }
+  static constexpr std::size_t kElems = 8;
+  static Vec loadu(const uint16_t* p) { return vreinterpretq_bf16_u16(vld1q_u16(p)); }
+  static Vec load_first(const uint16_t* p, std::size_t count) {  // count < 8; the rest zero
+    uint16_t tail[kElems] = {};
+    std::memcpy(tail, p, count * sizeof(uint16_t));
+    return loadu(tail);
+  }
+  static float sum(Acc a) { return vaddvq_f32(a); }
+};
 #else
+#define PP_HAVE_BF16_DOT 0
 inline constexpr bool kHaveBf16Dot = false;
 #endif
 
