@@ -28,6 +28,7 @@ prompt, temperature 0, ignore_eos, so each generates exactly --tokens tokens):
              all requests of the run, p50 and p99 (a chunk of k tokens gives k-1 zero gaps)
   busy sN    stage N's compute time during the run / wall time: the delta of
              pp_stage_compute_seconds_total{stage="N"} between /metrics scraped before and after
+  micro-batches  pp_micro_batches at the run's end, and how often --micro-batches 0 switched during it
 
 Interference (--long-prompt N): C streams (--interfere-clients, default 8) decode with max_tokens up
 to the context (ignore_eos), so they are still decoding when the window closes; once every stream has
@@ -275,7 +276,8 @@ def run_load(srv, n, tokens, prompt_len, salt, limit):
     gaps = [g for s in streams for g in s.gaps()]
     c0, c1 = stage_compute(m0), stage_compute(m1)
     busy = {k: (c1[k][0] - c0.get(k, (0.0, ""))[0]) / wall for k in sorted(c1)}
-    return {"clients": n, "tps": total / wall, "ttft50": pct(ttft, 50), "ttft99": pct(ttft, 99),
+    switches = (metric(m1, "pp_micro_batch_switches_total") or 0) - (metric(m0, "pp_micro_batch_switches_total") or 0)
+    return {"mb": metric(m1, "pp_micro_batches"), "switches": switches, "clients": n, "tps": total / wall, "ttft50": pct(ttft, 50), "ttft99": pct(ttft, 99),
             "gap50": pct(gaps, 50), "gap99": pct(gaps, 99), "ngaps": len(gaps), "busy": busy,
             "stages": {k: c1[k][1] for k in c1}, "tokens": total, "wall": wall}
 
@@ -350,13 +352,14 @@ def interference(srv, clients, long_len, prompt_len, baseline_s, limit):
 def table(rows, markdown):
     nst = max((len(r["busy"]) for r in rows), default=1)
     heads = ["clients", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "gap p50 ms", "gap p99 ms"] + \
-            [f"busy s{k}" for k in range(nst)] + ["tokens", "wall s"]
+            [f"busy s{k}" for k in range(nst)] + ["micro-batches", "tokens", "wall s"]
     lines = []
     for r in rows:
         cells = [str(r["clients"]), f"{r['tps']:.2f}", ms(r["ttft50"], 0).strip(), ms(r["ttft99"], 0).strip(),
                  ms(r["gap50"], 0).strip(), ms(r["gap99"], 0).strip()]
         cells += [f"{r['busy'][k]:.2f}" if k in r["busy"] else "-" for k in range(nst)]
-        cells += [str(r["tokens"]), f"{r['wall']:.2f}"]
+        mb = "-" if r["mb"] is None else f"{r['mb']:.0f}" + (f" ({r['switches']:.0f} sw)" if r["switches"] else "")
+        cells += [mb, str(r["tokens"]), f"{r['wall']:.2f}"]
         lines.append(cells)
     if markdown:
         out = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
@@ -590,9 +593,9 @@ def main():
     ap.add_argument("--threads-shared", type=int, default=0,
                     help="--suite: --threads of the unpinned configurations (default: pp_node's, all cores)")
     ap.add_argument("--micro-batches-shared", type=int, default=0,
-                    help="--suite: the 2-stage shared coordinator's --micro-batches (default 0: one per stage)")
+                    help="--suite: the 2-stage shared coordinator's --micro-batches (default 0: measured, the faster of 1 and one per stage)")
     ap.add_argument("--micro-batches-pinned", type=int, default=0,
-                    help="--suite: the 2-stage pinned coordinator's --micro-batches (default 0: one per stage)")
+                    help="--suite: the 2-stage pinned coordinator's --micro-batches (default 0: measured, the faster of 1 and one per stage)")
     ap.add_argument("--ctx", type=int, default=0, help="--suite: the server's --ctx (default: pp_node's)")
     ap.add_argument("--parallel", type=int, default=16,
                     help="--suite: the server's --parallel (default 16; workers get --max-sessions max(16, P+1))")

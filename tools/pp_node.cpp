@@ -437,7 +437,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--micro-batches", c.micro_batches,
                  "--serve/--chat: micro-batches the running generations are split into, each in flight at once "
-                 "(at most one per stage; 0: one per stage, so every stage has work)")
+                 "(at most one per stage; 0: measured while they run, 1 or one per stage, whichever serves more tokens)")
       ->capture_default_str();
   app.add_option("--system", c.system_prompt, "--chat: a system message");
   auto* tokens_opt = app.get_option("--tokens");

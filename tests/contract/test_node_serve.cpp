@@ -92,8 +92,9 @@ const Model& model() {
   if (model().path.empty()) GTEST_SKIP() << "no ../shared/fixtures/llama3-vocab-only.gguf"
 
 // pp_generate's loop over pp::LocalPipeline (f32 wire: bit-identical to any split).
-std::vector<int32_t> reference(const std::vector<int32_t>& prompt, std::size_t n, const pp::SamplingParams& sp = {}) {
-  pp::LocalPipeline pipe(model().path, {3}, pp::WireDType::F32, {.threads = 1});
+std::vector<int32_t> reference(const std::vector<int32_t>& prompt, std::size_t n, const pp::SamplingParams& sp = {},
+                               std::size_t ctx = 0) {
+  pp::LocalPipeline pipe(model().path, {3}, pp::WireDType::F32, {.ctx = ctx, .threads = 1});
   pp::Generation gen(pipe, {.sampling = sp, .max_tokens = n});
   gen.prefill(prompt);
   return gen.run_to_end();
@@ -853,6 +854,34 @@ TEST(ServeMicroBatches, OneMicroBatchCarriesEverySessionAndKeepsTheTokens) {
   EXPECT_TRUE(wait_worker_sessions(*p, 0, 5s));
 }
 
+// The default, --micro-batches 0: with several generations decoding the coordinator measures both counts
+// (one micro-batch, one per stage) and says which it runs; the tokens do not depend on it.
+TEST(ServeMicroBatches, MeasuredCountTriesBothAndKeepsTheTokens) {
+  REQUIRE_MODEL();
+  auto p = start_pipeline(1, {"--cuts", "3"});
+  ASSERT_TRUE(p);
+  const char* prompts[] = {"The capital of France is", "Once upon a time", "1, 2, 3,", "Roses are red"};
+  constexpr std::size_t kTokens = 60;
+  std::vector<std::vector<int32_t>> want(4), got(4);
+  for (int i = 0; i < 4; ++i) want[i] = reference(encode(prompts[i]), kTokens);
+  const auto before = parse_metrics(p->client()->Get("/metrics")->body);
+  EXPECT_EQ(before.at("pp_micro_batches"), 2) << "before any measurement: one per stage";
+  run_clients_at_once(4, [&](int i) {
+    const json b = {{"prompt", prompts[i]}, {"max_tokens", kTokens}, {"temperature", 0}, {"ignore_eos", true},
+                    {"return_tokens", true}};
+    const Reply r = post(*p, "/v1/completions", b.dump());
+    if (r.status == 200) got[i] = tokens_of(r.body);
+  });
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(got[i], want[i]) << "client " << i;
+  const auto after = parse_metrics(p->client()->Get("/metrics")->body);
+  EXPECT_GE(after.at("pp_micro_batch_switches_total"), 1) << "one micro-batch was never tried";
+  const double now = after.at("pp_micro_batches");
+  EXPECT_TRUE(now == 1 || now == 2) << now;
+  const json status = json::parse(p->client()->Get("/v1/status")->body);
+  EXPECT_EQ(status["micro_batches"], now);
+  EXPECT_TRUE(wait_worker_sessions(*p, 0, 5s));
+}
+
 // ================================================================ three stages
 
 TEST(ServeThreeStages, CompletionsAndChatStreamedAndNot) {
@@ -884,9 +913,33 @@ TEST(ServeThreeStages, CompletionsAndChatStreamedAndNot) {
   EXPECT_TRUE(wait_worker_sessions(*p, 0, 5s));
 }
 
-// After a client left mid-generation: its session is gone from every worker and the coordinator, counted
-// once as cancelled, the generation stopped early, and the pipeline still serves.
-void expect_cancelled_and_still_serving(const Pipeline& p) {
+// The cancellation tests: three stages whose KV holds a generation long enough to outlast any hang-up.
+constexpr std::size_t kLongCtx = 16384;
+std::optional<Pipeline> start_long_pipeline() {
+  const std::string ctx = std::to_string(kLongCtx);
+  return start_pipeline(2, {"--cuts", "2,4"}, {"--ctx", ctx}, {"--max-ctx", ctx});
+}
+
+// Greedy tokens a second on this pipeline, measured here (prompt included: an underestimate), so that a
+// generation's length is sized by what this host does rather than for some host.
+double decode_rate(const Pipeline& p) {
+  constexpr int kProbe = 64;
+  const auto t0 = Clock::now();
+  const Reply r = post(p, "/v1/completions",
+                       json{{"prompt", "Rate"}, {"max_tokens", kProbe}, {"temperature", 0}, {"ignore_eos", true}}.dump());
+  EXPECT_EQ(r.status, 200) << r.raw;
+  return kProbe / std::chrono::duration<double>(Clock::now() - t0).count();
+}
+int tokens_lasting(double rate, double seconds) { return int(std::clamp(rate * seconds, 250.0, 8000.0)); }
+
+// After a client left mid-generation of up to n tokens: its session is gone from every worker and the
+// coordinator, counted once as cancelled, the generation stopped early (before half of n, which took about
+// 4 s at this pipeline's rate, while a hang-up is seen within a second), and the pipeline still serves.
+double tokens_generated(const Pipeline& p) {
+  return parse_metrics(p.client()->Get("/metrics")->body)["pp_tokens_generated_total"];
+}
+
+void expect_cancelled_and_still_serving(const Pipeline& p, int n, double generated_before) {
   EXPECT_TRUE(wait_worker_sessions(p, 0, 5s)) << "a worker still holds the cancelled session";
   const auto deadline = Clock::now() + pp::test::slack(5s);
   std::map<std::string, double> m;
@@ -897,7 +950,7 @@ void expect_cancelled_and_still_serving(const Pipeline& p) {
   } while (Clock::now() < deadline);
   EXPECT_EQ(m["pp_sessions_active"], 0);
   EXPECT_EQ(m["pp_requests_total{outcome=\"cancelled\"}"], 1);
-  EXPECT_LT(m["pp_tokens_generated_total"], 1500) << "the generation ran on after the client left";
+  EXPECT_LT(m["pp_tokens_generated_total"] - generated_before, n / 2) << "the generation ran on after the client left";
   const Reply r = post(p, "/v1/completions", R"({"prompt":"after","max_tokens":4,"temperature":0,"return_tokens":true})");
   EXPECT_EQ(r.status, 200) << r.raw;
   EXPECT_EQ(tokens_of(r.body), reference(encode("after"), 4));
@@ -906,8 +959,10 @@ void expect_cancelled_and_still_serving(const Pipeline& p) {
 // A client that disconnects mid-stream: its session is freed on the coordinator and every worker.
 TEST(ServeThreeStages, CancelMidStreamFreesTheSessionOnEveryStage) {
   REQUIRE_MODEL();
-  auto p = start_pipeline(2, {"--cuts", "2,4"});
+  auto p = start_long_pipeline();
   ASSERT_TRUE(p);
+  const int n = tokens_lasting(decode_rate(*p), 8);
+  const double before = tokens_generated(*p);
   std::atomic<int> chunks{0};
   std::atomic<bool> seen_open{false};
   std::thread client([&] {
@@ -915,7 +970,7 @@ TEST(ServeThreeStages, CancelMidStreamFreesTheSessionOnEveryStage) {
     httplib::Request q;
     q.method = "POST";
     q.path = "/v1/completions";
-    q.body = json{{"prompt", "Never ending"}, {"max_tokens", 2000}, {"temperature", 0}, {"stream", true}}.dump();
+    q.body = json{{"prompt", "Never ending"}, {"max_tokens", n}, {"temperature", 0}, {"stream", true}}.dump();
     q.set_header("Content-Type", "application/json");
     q.content_receiver = [&](const char*, size_t, uint64_t, uint64_t) {
       if (++chunks == 3) {
@@ -930,19 +985,20 @@ TEST(ServeThreeStages, CancelMidStreamFreesTheSessionOnEveryStage) {
   });
   client.join();
   EXPECT_TRUE(seen_open.load()) << "the workers did not report the streaming session";
-  expect_cancelled_and_still_serving(*p);
+  expect_cancelled_and_still_serving(*p, n, before);
 }
 
 // A non-streamed request not done within a second gets a 200 at once, then a space every second until its
 // body; a client that hangs up meanwhile cancels the generation on every stage.
 TEST(ServeThreeStages, CancelNonStreamedFreesTheSessionOnEveryStage) {
   REQUIRE_MODEL();
-  auto p = start_pipeline(2, {"--cuts", "2,4"});
+  auto p = start_long_pipeline();
   ASSERT_TRUE(p);
-  // Long enough to take seconds (the chunked case below): 2000 tokens on a fast host, fewer where every
-  // token costs more (a sanitized build), so the reference loop does not dominate the suite.
-  const int n = std::max(250, int(2000 / pp::test::host_factor()));
-  const json body = {{"prompt", "Never ending"}, {"max_tokens", n}, {"temperature", 0}, {"ignore_eos", true}};
+  // About 8 s at this pipeline's rate: well past the second after which the 200 is committed.
+  const double rate = decode_rate(*p);
+  const int n = tokens_lasting(rate, 8);
+  const double before = tokens_generated(*p);
+  json body = {{"prompt", "Never ending"}, {"max_tokens", n}, {"temperature", 0}, {"ignore_eos", true}};
   int status = 0;
   bool seen_open = false;
   std::thread client([&] {
@@ -965,8 +1021,10 @@ TEST(ServeThreeStages, CancelNonStreamedFreesTheSessionOnEveryStage) {
   client.join();
   EXPECT_EQ(status, 200);
   EXPECT_TRUE(seen_open) << "the workers did not report the session";
-  expect_cancelled_and_still_serving(*p);
-  // A client that waits gets the whole completion, after the spaces.
+  expect_cancelled_and_still_serving(*p, n, before);
+  // A client that waits gets the whole completion, after the spaces (about 3 s of tokens).
+  const int n_whole = tokens_lasting(rate, 3);
+  body["max_tokens"] = n_whole;
   json whole = body;
   whole["return_tokens"] = true;
   const auto w = p->client()->Post("/v1/completions", whole.dump(), "application/json");
@@ -975,7 +1033,7 @@ TEST(ServeThreeStages, CancelNonStreamedFreesTheSessionOnEveryStage) {
   EXPECT_EQ(w->get_header_value("Transfer-Encoding"), "chunked") << "done within a second: not the case under test";
   const json j = json::parse(w->body);
   EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
-  EXPECT_EQ(tokens_of(j), reference(encode("Never ending"), std::size_t(n)));
+  EXPECT_EQ(tokens_of(j), reference(encode("Never ending"), std::size_t(n_whole), {}, kLongCtx));
   // A failure once the 200 has gone (a worker killed: the last use of this pipeline): the body is the error.
   httplib::Request q;
   q.method = "POST";

@@ -233,6 +233,81 @@ TEST(PrefillChunks, PacedPromptBesideADecodingGenerationHasTheLogitsOfOneAlone) 
   EXPECT_EQ(alone, digests(true));
 }
 
+// --micro-batches 0 on a simulated chain: replies come at the rate the current count serves. The tuner tries
+// both counts, settles on the faster (whichever it is), looks at the other now and then, and ignores
+// windows with prompt rows or a changed number of decoding sessions.
+namespace {
+struct SimulatedChain {
+  double rate_one = 0, rate_per_stage = 0;  // tokens/s with one micro-batch, with one per stage
+  pp::net::Coordinator::MicroBatchTuner tuner{2};
+  pp::net::SteadyClock::time_point now{};
+  std::size_t tokens_on[2] = {0, 0};  // tokens served while the tuner's count was 1, was 2
+  void run(std::size_t replies, std::size_t decoding, bool prompt = false) {
+    for (std::size_t i = 0; i < replies; ++i) {
+      const std::size_t k = tuner.count();
+      const std::size_t produced = (decoding + k - 1) / k;
+      now += std::chrono::duration_cast<pp::net::SteadyClock::duration>(
+          std::chrono::duration<double>(double(produced) / (k == 1 ? rate_one : rate_per_stage)));
+      tokens_on[k == 1 ? 0 : 1] += produced;
+      tuner.observe(now, produced, decoding, prompt);
+    }
+  }
+};
+}  // namespace
+
+TEST(MicroBatchTuner, SettlesOnTheFasterCountAndLooksAtTheOtherNowAndThen) {
+  for (const bool one_faster : {true, false}) {
+    SCOPED_TRACE(one_faster ? "one micro-batch faster" : "one per stage faster");
+    SimulatedChain c;
+    c.rate_one = one_faster ? 73 : 40, c.rate_per_stage = one_faster ? 44 : 60;
+    EXPECT_EQ(c.tuner.count(), 2u);  // before any measurement: every stage busy
+    c.run(40, 8);
+    EXPECT_EQ(c.tuner.count(), one_faster ? 1u : 2u);
+    EXPECT_GT(c.tuner.rate[0], 0);
+    EXPECT_GT(c.tuner.rate[1], 0);
+    EXPECT_NEAR(c.tuner.rate[0], c.rate_one, 0.15 * c.rate_one);
+    EXPECT_NEAR(c.tuner.rate[1], c.rate_per_stage, 0.15 * c.rate_per_stage);
+    // Over a long run: mostly the faster count, with a look at the other now and then.
+    c.tokens_on[0] = c.tokens_on[1] = 0;
+    const uint64_t switches = c.tuner.switches;
+    c.run(2000, 8);
+    const std::size_t fast = c.tokens_on[one_faster ? 0 : 1], slow = c.tokens_on[one_faster ? 1 : 0];
+    EXPECT_GT(slow, 0u) << "never looked at the other count again";
+    EXPECT_GT(double(fast) / double(fast + slow), 0.8);
+    EXPECT_GT(c.tuner.switches, switches);
+  }
+}
+
+TEST(MicroBatchTuner, FollowsAChangedHostAndIgnoresWhatItCannotCompare) {
+  SimulatedChain c;
+  c.rate_one = 73, c.rate_per_stage = 44;
+  c.run(60, 8);
+  ASSERT_EQ(c.tuner.count(), 1u);
+  // The host changes (another tenant, other threads): one per stage is now the faster.
+  c.rate_one = 30, c.rate_per_stage = 60;
+  c.run(400, 8);
+  EXPECT_EQ(c.tuner.count(), 2u);
+  // Windows with prompt rows, with one decoding session, or while the number changes measure nothing.
+  const auto before = c.tuner;
+  c.rate_one = 200, c.rate_per_stage = 1;
+  c.run(200, 8, /*prompt=*/true);
+  c.run(200, 1);
+  for (std::size_t live = 2; live < 40; ++live) c.run(1, live);
+  EXPECT_EQ(c.tuner.switches, before.switches);
+  EXPECT_EQ(c.tuner.count(), 2u);
+  EXPECT_EQ(c.tuner.rate[0], before.rate[0]);
+  EXPECT_EQ(c.tuner.rate[1], before.rate[1]);
+  // With another number decoding, both counts are measured again before either is trusted.
+  c.run(60, 12);
+  EXPECT_EQ(c.tuner.rate_live[0], 12u);
+  EXPECT_EQ(c.tuner.rate_live[1], 12u);
+  EXPECT_EQ(c.tuner.count(), 1u);
+  // One stage: nothing to choose.
+  pp::net::Coordinator::MicroBatchTuner single(1);
+  single.observe(pp::net::SteadyClock::time_point{} + std::chrono::seconds(1), 8, 8, false);
+  EXPECT_EQ(single.count(), 1u);
+}
+
 TEST(BatchFrame, TableRoundTripsAndEveryCheckRefuses) {
   using namespace pp::net;
   const std::vector<BatchEntry> entries = {{0x0102030405060708ull, 5, 1, 0}, {42, 1ull << 39, 3, 0}};

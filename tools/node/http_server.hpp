@@ -481,6 +481,7 @@ class HttpServer {
             {"batches", m.batches},
             {"active_seconds", m.active_s},
             {"prefill_pace_rows", m.prefill_pace_rows},
+            {"micro_batches", m.micro_batches},
             {"time_to_first_token_avg_s", m.ttft_count ? json(m.ttft_sum_s / double(m.ttft_count)) : json(nullptr)},
             {"stages", std::move(stages)}};
   }
@@ -550,6 +551,11 @@ class HttpServer {
     family("pp_prefill_pace_rows", "gauge",
            "Prompt rows a batch carries while other generations decode (about half a decoding batch's cost).");
     sample("pp_prefill_pace_rows", "", double(m.prefill_pace_rows));
+    family("pp_micro_batches", "gauge",
+           "Micro-batches the decoding generations are split into (--micro-batches, or measured with 0).");
+    sample("pp_micro_batches", "", double(m.micro_batches));
+    family("pp_micro_batch_switches_total", "counter", "Times --micro-batches 0 changed the count, measuring.");
+    sample("pp_micro_batch_switches_total", "", double(m.micro_batch_switches));
     family("pp_pipeline_up", "gauge", "1 when the coordinator's connection to the chain is up.");
     sample("pp_pipeline_up", "", m.link_up ? 1 : 0);
     family("pp_resumes_total", "counter", "Chains re-established after a failure with every open session replayed (--resume).");

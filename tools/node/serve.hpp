@@ -36,7 +36,7 @@ struct ServeOptions {
   std::string http_host = "127.0.0.1";
   int http_port = 8080;
   std::size_t parallel = 16;
-  std::size_t micro_batches = 0;      // --micro-batches: 0 = one per stage
+  std::size_t micro_batches = 0;      // --micro-batches: 0 = measured (1 or one per stage, the faster)
   bool cuts_auto = false;
   std::string model_id;               // what the API calls the model
   ChatOptions chat_options;

@@ -68,8 +68,9 @@ struct CoordinatorConfig {
   Millis load_wait{120000};
   std::size_t parallel = 16;       // generations decoding at once; more wait in the queue
   // Micro-batches the live sessions are split into, each in flight at once, at most one per stage;
-  // 0 = one per stage (every stage busy). Fewer stream each stage's weights fewer times per round of
-  // tokens, which wins where a step's cost barely grows with its rows.
+  // 0 = measured: one, or one per stage, whichever serves more tokens (Coordinator::MicroBatchTuner).
+  // Fewer stream each stage's weights fewer times per round of tokens, which wins where a step's cost
+  // barely grows with its rows; more keep every stage busy.
   std::size_t micro_batches = 0;
   std::chrono::seconds keepalive{30};
   std::function<void(Channel&)> authenticate;  // before HELLO, when the chain asks for a key
@@ -91,6 +92,8 @@ struct CoordinatorMetrics {
   // a reply, with its share of the batches in flight, or with nothing ready): its pipeline bubbles.
   double active_s = 0, stage0_wait_s = 0;
   std::size_t prefill_pace_rows = 0;  // prompt rows per batch while other generations decode
+  std::size_t micro_batches = 0;      // the decoding sessions are split into this many (Coordinator::MicroBatchTuner)
+  uint64_t micro_batch_switches = 0;  // times --micro-batches 0 changed its count
   uint64_t bytes_sent = 0, bytes_received = 0;
   double ttft_sum_s = 0;
   uint64_t ttft_count = 0;
@@ -122,6 +125,8 @@ class Coordinator {
       const int hi = i + 1 < cfg_.cuts.size() ? cfg_.cuts[i + 1] : int(config_.n_layer);
       hops_.push_back(Hop{LayerRange{cfg_.cuts[i], hi}, cfg_.workers[i]});
     }
+    tuner_ = MicroBatchTuner(n_stages());
+    metrics_.micro_batches = micro_batches();
   }
   Coordinator(const Coordinator&) = delete;
   Coordinator& operator=(const Coordinator&) = delete;
@@ -295,6 +300,68 @@ class Coordinator {
     }
   };
 
+  // --micro-batches 0: how many micro-batches the decoding sessions are split into, chosen by measuring.
+  // One per stage keeps every stage busy, but each micro-batch streams every stage's weights again; one
+  // batch streams them once per round of tokens and leaves all stages but one idle. Which serves more
+  // tokens depends on how a step's cost grows with its rows (weight type, kernels, threads, shared or
+  // separate cores), so both are tried while at least two sessions decode: a window of decode replies
+  // under each count (the first replies after a switch are skipped: they were sent under the old count),
+  // then the faster one, with one window of the other every kExploitWindows to follow a changed load.
+  // A window that saw prompt rows or a change in the number of decoding sessions is discarded.
+  struct MicroBatchTuner {
+    static constexpr std::size_t kExploitWindows = 8;
+    std::size_t stages = 1;
+    std::size_t pick = 1;               // 0: one micro-batch, 1: one per stage
+    double rate[2] = {0, 0};            // tokens/s measured for each, exponentially averaged
+    std::size_t rate_live[2] = {0, 0};  // the decoding sessions those rates were measured with
+    std::size_t skip = 0, replies = 0, live = 0, exploit = 0;
+    uint64_t tokens = 0;
+    SteadyClock::time_point start{};
+    uint64_t switches = 0;
+
+    explicit MicroBatchTuner(std::size_t n_stages = 1) : stages(n_stages) {}
+    std::size_t count() const { return pick == 0 || stages < 2 ? 1 : stages; }
+
+    // A BRES at `now` that produced `produced` tokens while `decoding` sessions decoded; `prompt`: a
+    // batch carried prompt rows (kBulkRows or more of one prompt) since the last reply.
+    void observe(SteadyClock::time_point now, uint64_t produced, std::size_t decoding, bool prompt) {
+      if (stages < 2) return;
+      if (skip > 0) {
+        --skip;
+        restart(now, decoding);
+        return;
+      }
+      if (decoding < 2 || prompt || decoding != live) return restart(now, decoding);
+      tokens += produced;
+      if (++replies < 2 * stages || tokens < 4 * decoding) return;
+      const double r = double(tokens) / std::max(1e-6, std::chrono::duration<double>(now - start).count());
+      rate[pick] = rate_live[pick] == decoding && rate[pick] > 0 ? 0.7 * rate[pick] + 0.3 * r : r;
+      rate_live[pick] = decoding;
+      const std::size_t other = 1 - pick;
+      std::size_t next = pick;
+      if (rate_live[other] != decoding || rate[other] <= 0) {
+        next = other;  // not measured with this load yet
+      } else if (rate[other] > rate[pick]) {
+        next = other;
+        exploit = 0;
+      } else if (++exploit >= kExploitWindows) {
+        next = other;  // a look at the other: the load or the host may have changed
+        exploit = 0;
+      }
+      if (next != pick) {
+        pick = next;
+        ++switches;
+        skip = stages;
+      }
+      restart(now, decoding);
+    }
+
+   private:
+    void restart(SteadyClock::time_point now, std::size_t decoding) {
+      start = now, tokens = 0, replies = 0, live = decoding;
+    }
+  };
+
  private:
   struct Submission {
     std::vector<int32_t> prompt;
@@ -347,6 +414,7 @@ class Coordinator {
     std::vector<Sent> entries;
     std::vector<BatchEntry> wire;  // as sent: the BRES layout follows their flags
     SteadyClock::time_point sent;
+    bool prompt = false;  // carried prompt rows (kBulkRows or more of one prompt) or a replay
   };
 
   StageOptions stage_options() const {
@@ -378,7 +446,7 @@ class Coordinator {
   // ---- the scheduler thread ----
 
   std::size_t micro_batches() const {
-    return cfg_.micro_batches ? std::min(cfg_.micro_batches, n_stages()) : n_stages();
+    return cfg_.micro_batches ? std::min(cfg_.micro_batches, n_stages()) : tuner_.count();
   }
   bool can_send() const { return (link_ || local()) && !loss_ && in_flight_.size() < micro_batches(); }
 
@@ -731,6 +799,7 @@ class Coordinator {
       p.link_bytes = bytes;
       on_token(s, std::move(p));
     }
+    if (!cfg_.micro_batches) tuner_.observe(SteadyClock::now(), produced, busy_sessions(), batch.prompt);
     std::lock_guard lock(metrics_mu_);
     metrics_.batch_round_trip_s += round_trip;
     recent_.emplace_back(SteadyClock::now(), produced);
@@ -847,6 +916,7 @@ class Coordinator {
     stage_->forward_batch(run, rows_.data());
     const auto t1 = SteadyClock::now();
     pace_.observe(bulk, rows - bulk, std::chrono::duration<double>(t1 - t0).count());
+    fl.prompt = bulk > 0 || std::any_of(fl.entries.begin(), fl.entries.end(), [](const Sent& e) { return e.replay; });
     for (const Sent& e : fl.entries) {
       Session& s = sessions_.at(e.session);
       if (!e.replay) {
@@ -1029,6 +1099,8 @@ class Coordinator {
     metrics_.sessions_ready = ready;
     metrics_.batches_in_flight = in_flight_.size();
     metrics_.prefill_pace_rows = pace_.rows();
+    metrics_.micro_batches = micro_batches();
+    metrics_.micro_batch_switches = tuner_.switches;
     metrics_.bytes_sent = metrics_.bytes_sent_base + (link_ ? link_->bytes_sent() : 0);
     metrics_.bytes_received = metrics_.bytes_received_base + (link_ ? link_->bytes_received() : 0);
   }
@@ -1068,6 +1140,7 @@ class Coordinator {
   std::vector<int32_t> tokens_;
   Sampler sampler_;
   PrefillPace pace_;  // the scheduler thread's
+  MicroBatchTuner tuner_;  // likewise
   SteadyClock::time_point active_mark_ = SteadyClock::now();  // end of the last wait
 
   struct Counters : CoordinatorMetrics {
