@@ -324,6 +324,47 @@ void BM_DecodeMulti(benchmark::State& st) {
 }
 BENCHMARK(BM_DecodeMulti)->ArgsProduct({{0}, {1, 2, 4, 8}, {2}})->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
 
+// A decode step of 8 sequences with a prompt's piece of n rows fed beside it (the serving scheduler's
+// paced prefill): in the same batch (mode 0: the weights streamed once for both paths,
+// kernels::matmul_groups), or as two steps (mode 1: the piece alone after the decode rows, each streaming
+// the weights). ms per step; what the streams' inter-token gap grows by while a prompt is fed.
+void BM_DecodeWithPrompt(benchmark::State& st) {
+  const std::string dt = dtype_arg(st.range(0));
+  const std::size_t piece = std::size_t(st.range(1));
+  const bool separate = st.range(2) != 0;
+  const unsigned threads = unsigned(st.range(3));
+  constexpr std::size_t kSeqs = 8;
+  pp::Stage& s = stage_for(dt, threads);
+  const std::size_t E = s.config().n_embd;
+  std::vector<pp::Sequence> seqs;
+  for (std::size_t q = 0; q <= kSeqs; ++q) seqs.push_back(s.new_sequence());
+  std::vector<float> rows((kSeqs + piece) * E);
+  std::vector<int32_t> toks(kSeqs + piece);
+  std::vector<pp::Stage::BatchEntry> batch;
+  int64_t pos = 0;
+  for (auto _ : st) {
+    batch.clear();
+    for (std::size_t q = 0; q < kSeqs; ++q) batch.push_back({&seqs[q], pos, 1});
+    for (std::size_t i = 0; i < kSeqs + piece; ++i) toks[i] = int32_t((i * 7919 + std::size_t(pos) * 31) % 128000);
+    s.embed(toks, rows.data());
+    if (piece > 0 && !separate) batch.push_back({&seqs[kSeqs], 0, piece});
+    s.forward_batch(batch, rows.data());
+    if (piece > 0 && separate) {
+      const pp::Stage::BatchEntry alone{&seqs[kSeqs], 0, piece};
+      s.forward_batch({&alone, 1}, rows.data() + kSeqs * E);
+    }
+    if (++pos >= int64_t(s.ctx())) pos = 0;
+  }
+  st.SetLabel(dt + decode_path(s, dt) + ", 8 sequences + a " + std::to_string(piece) + "-row prompt piece" +
+              (piece == 0 ? "" : separate ? ", as two steps" : ", in one step"));
+}
+BENCHMARK(BM_DecodeWithPrompt)
+    ->ArgsProduct({{0}, {0}, {0}, {1, 2}})
+    ->ArgsProduct({{0}, {16, 32}, {0, 1}, {1, 2}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->MinTime(2.0);
+
 // Prefill of n tokens from position 0.
 void BM_Prefill(benchmark::State& st) {
   const std::string dt = dtype_arg(st.range(0));

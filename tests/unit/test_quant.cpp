@@ -544,3 +544,48 @@ TEST(QuantSynth, Q8_0TilesShowInTheKernelProfile) {
   std::filesystem::remove(q8);
   std::filesystem::remove(q4);
 }
+
+// A chunk whose rows take different paths (decode rows beside a prompt's bulk piece) runs in one pass over
+// the weights (kernels::matmul_groups): every group's rows are bit for bit what a call of its own gives,
+// for every weight type, on the exact and the fast paths, on any thread count, with weight-row counts that
+// end inside a fused block and inside a tile.
+TEST(MatmulGroups, EachGroupGetsWhatItsOwnCallGives) {
+  std::mt19937 rng(23);
+  std::vector<DType> types = {DType::F32, DType::F16, DType::BF16};
+  types.insert(types.end(), std::begin(kTypes), std::end(kTypes));
+  const std::vector<pp::kernels::RowGroup> groups = {{0, 3, false}, {3, 17, true}, {20, 2, false}, {22, 5, true}};
+  const std::size_t m = 27;
+  pp::ThreadPool p1(1), p3(3);
+  for (DType t : types)
+    for (const std::size_t cols : {std::size_t(256), std::size_t(2048)})
+      for (const std::size_t rows : {std::size_t(13), std::size_t(100)}) {
+        std::vector<uint8_t> w(rows * pp::row_bytes(t, cols));
+        if (pp::is_quantized(t)) {
+          w = random_matrix(t, rows, cols, rng);
+        } else {
+          const auto v = randv(rows * cols, rng);
+          for (std::size_t i = 0; i < v.size(); ++i) {
+            if (t == DType::F32) std::memcpy(&w[i * 4], &v[i], 4);
+            const uint16_t h = t == DType::BF16 ? pp::f32_to_bf16(v[i]) : pp::f32_to_f16(v[i]);
+            if (t != DType::F32) std::memcpy(&w[i * 2], &h, 2);
+          }
+        }
+        const pp::MatView mv{t, w.data(), rows, cols, pp::row_bytes(t, cols)};
+        const auto x = randv(m * cols, rng);
+        for (const bool fast : {false, true}) {
+          SCOPED_TRACE(std::string(pp::dtype_name(t)) + " cols " + std::to_string(cols) + " rows " +
+                       std::to_string(rows) + (fast ? " fast" : " exact"));
+          std::vector<uint8_t> xq(m * pp::kernels::xq_row_bytes(cols));
+          const pp::kernels::QuantPath path{fast, xq, fast};
+          std::vector<float> want(m * rows, NAN), got(m * rows, NAN), got3(m * rows, NAN);
+          for (const auto& g : groups)
+            pp::kernels::matmul(p1, mv, x.data() + g.row0 * cols, g.n, want.data() + g.row0 * rows, path, g.bulk);
+          pp::kernels::matmul_groups(p1, mv, x.data(), got.data(), path, groups);
+          pp::kernels::matmul_groups(p3, mv, x.data(), got3.data(), path, groups);
+          for (std::size_t i = 0; i < want.size(); ++i) {
+            ASSERT_EQ(std::bit_cast<uint32_t>(got[i]), std::bit_cast<uint32_t>(want[i])) << "row " << i / rows;
+            ASSERT_EQ(std::bit_cast<uint32_t>(got3[i]), std::bit_cast<uint32_t>(want[i])) << "3 threads, row " << i / rows;
+          }
+        }
+      }
+}

@@ -138,23 +138,25 @@ inline void tile(const float* w, const float* xt, std::size_t k, float* out, boo
 inline constexpr int kBf16Rows = 12;
 
 // The fast path's tile: xt packed in pairs, w R rows of bf16 `ws` elements apart, k elements each; with
-// `resume`, the chains go on from the values in out.
-template <int R>
+// `resume`, the chains go on from the values in out. V token vectors: 2 (the whole block), or 1 for a
+// block whose tokens fit one vector (a short prompt, a prompt's paced piece beside decode steps, the last
+// block of a prompt), which then costs half; each (row, token) is the same chain either way.
+template <int R, int V = 2>
 inline void tile_bf16(const uint16_t* w, std::size_t ws, const uint32_t* xt, std::size_t k, float* out, bool resume) {
   using D = simd::Bf16Dot;
   constexpr std::size_t TB = kBlockTokens, L = D::kLanes;
   static_assert(TB == 2 * L, "a block is the tile's two token vectors");
-  D::Acc acc[R][2];
+  static_assert(V == 1 || V == 2);
+  D::Acc acc[R][V];
   for (int r = 0; r < R; ++r)
-    if (resume) acc[r][0] = D::load_acc(out + std::size_t(r) * TB), acc[r][1] = D::load_acc(out + std::size_t(r) * TB + L);
-    else acc[r][0] = acc[r][1] = D::zero();
+    for (int v = 0; v < V; ++v) acc[r][v] = resume ? D::load_acc(out + std::size_t(r) * TB + v * L) : D::zero();
   auto step = [&](std::size_t s, auto&& weight_pair) {
-    const D::Vec x0 = D::load(xt + s * TB), x1 = D::load(xt + s * TB + L);
+    D::Vec xv[V];
+    for (int v = 0; v < V; ++v) xv[v] = D::load(xt + s * TB + v * L);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const D::Vec wb = D::broadcast_pair(weight_pair(r));
-      acc[r][0] = D::dot(acc[r][0], wb, x0);
-      acc[r][1] = D::dot(acc[r][1], wb, x1);
+      for (int v = 0; v < V; ++v) acc[r][v] = D::dot(acc[r][v], wb, xv[v]);
     }
   };
   std::size_t s = 0;
@@ -165,10 +167,8 @@ inline void tile_bf16(const uint16_t* w, std::size_t ws, const uint32_t* xt, std
       return p;
     });
   if (k % 2) step(s, [&](int r) { return uint32_t(w[std::size_t(r) * ws + k - 1]); });  // partner 0
-  for (int r = 0; r < R; ++r) {
-    D::store(out + std::size_t(r) * TB, acc[r][0]);
-    D::store(out + std::size_t(r) * TB + L, acc[r][1]);
-  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) D::store(out + std::size_t(r) * TB + v * L, acc[r][v]);
 }
 #endif
 
@@ -186,11 +186,13 @@ inline constexpr auto kTable = table<A>(std::make_integer_sequence<int, kRows<A>
 
 #if PP_HAVE_BF16_DOT
 using Bf16TileFn = void (*)(const uint16_t*, std::size_t, const uint32_t*, std::size_t, float*, bool);
-template <int... R>
+template <int V, int... R>
 constexpr auto bf16_table(std::integer_sequence<int, R...>) {
-  return std::array<Bf16TileFn, sizeof...(R)>{&tile_bf16<R + 1>...};
+  return std::array<Bf16TileFn, sizeof...(R)>{&tile_bf16<R + 1, V>...};
 }
-inline constexpr auto kBf16Table = bf16_table(std::make_integer_sequence<int, kBf16Rows>{});
+// kBf16Table[V - 1][R - 1]: the tile for R rows and V token vectors.
+inline constexpr std::array<std::array<Bf16TileFn, kBf16Rows>, 2> kBf16Table = {
+    bf16_table<1>(std::make_integer_sequence<int, kBf16Rows>{}), bf16_table<2>(std::make_integer_sequence<int, kBf16Rows>{})};
 #endif
 
 // Tile results out[r * TB + t] (rn rows, tn tokens) into y[t * ys + r]: transposed in L1 first, then
@@ -341,8 +343,10 @@ inline void matmul_packed_bf16(const MatView& w, const PackedX& x, float* y, std
     prefetch_rows(w, rb, rn, seg * kSegK, seg_len(k, seg), 2);
   };
   auto tile = [&](std::size_t rb, std::size_t rn, std::size_t b, std::size_t seg, float* acc, bool resume) {
-    detail::kBf16Table[rn - 1](reinterpret_cast<const uint16_t*>(w.row(rb)) + seg * kSegK, w.row_stride / 2,
-                               x.block(b) + seg * kSegK / 2 * TB, seg_len(k, seg), acc, resume);
+    const bool one_vector = x.m - b * TB <= simd::Bf16Dot::kLanes;  // the block's tokens fit one vector
+    detail::kBf16Table[one_vector ? 0 : 1][rn - 1](reinterpret_cast<const uint16_t*>(w.row(rb)) + seg * kSegK,
+                                                   w.row_stride / 2, x.block(b) + seg * kSegK / 2 * TB,
+                                                   seg_len(k, seg), acc, resume);
   };
   for_each_tile<R>(x.blocks(), seg_count(k), (std::min(k, kSegK) + 1) / 2 * TB * 4, x.m, y, w.rows, r0, r1, no_prepare,
                    prefetch, tile);

@@ -218,6 +218,24 @@ inline bool bulk_on_tiles(DType t, bool fast_quant = true) {
          (t == DType::Q8_0 && fast_quant && gemm_q8::kAvailable);
 }
 
+// x [m, n] rounded to bf16 (as gemm.hpp packs it) into buf, grown to the largest call. Rows 64-byte
+// aligned (a vector load across two cache lines costs a second access in every tile step) and one cache
+// line more apart than whole lines, so that rows of 4 KiB multiples do not all fall in the same L1 sets
+// as each other and the weight rows.
+struct Bf16Rows {
+  const uint16_t* data;
+  std::size_t stride;  // elements from one row to the next
+};
+inline Bf16Rows round_rows_bf16(const float* x, std::size_t m, std::size_t n, std::vector<uint16_t>& buf) {
+  constexpr std::size_t kLine = 64 / sizeof(uint16_t);
+  const std::size_t xs = (n + kLine - 1) / kLine * kLine + kLine;
+  if (buf.size() < m * xs + kLine) buf.resize(m * xs + kLine);
+  uint16_t* xb = buf.data() + (kLine - reinterpret_cast<std::uintptr_t>(buf.data()) / sizeof(uint16_t) % kLine) % kLine;
+  for (std::size_t t = 0; t < m; ++t)
+    for (std::size_t i = 0; i < n; ++i) xb[t * xs + i] = f32_to_bf16(x[t * n + i]);
+  return {xb, xs};
+}
+
 // y[m, w.rows] = x[m, w.cols] * w^T, output rows split across the pool. bulk: the rows belong to bulk
 // requests (see kBulkRows); the caller decides, so that a row's path depends on its own request only.
 template <class A = simd::Best>
@@ -267,25 +285,128 @@ inline void matmul(ThreadPool& pool, const MatView& w, const float* x, std::size
   }
 #if PP_HAVE_BF16_DOT
   if (fast_bf16) {
-    // x rounded to bf16 once per call (as gemm.hpp packs it), into the caller's buffer (see above).
-    // Rows 64-byte aligned (a vector load across two cache lines costs a second access in every tile
-    // step) and one cache line more apart than whole lines, so that rows of 4 KiB multiples do not
-    // all fall in the same L1 sets as each other and the weight rows.
-    static thread_local std::vector<uint16_t> tls;
-    constexpr std::size_t kLine = 64 / sizeof(uint16_t);
-    const std::size_t n = w.cols, xs = (n + kLine - 1) / kLine * kLine + kLine;
-    if (tls.size() < m * xs + kLine) tls.resize(m * xs + kLine);
-    uint16_t* xb = tls.data() + (kLine - reinterpret_cast<std::uintptr_t>(tls.data()) / sizeof(uint16_t) % kLine) % kLine;
-    for (std::size_t t = 0; t < m; ++t)
-      for (std::size_t i = 0; i < n; ++i) xb[t * xs + i] = f32_to_bf16(x[t * n + i]);
+    static thread_local std::vector<uint16_t> tls;  // the caller's (see above)
+    const Bf16Rows xb = round_rows_bf16(x, m, w.cols, tls);
     pool.parallel_for(n_tasks, [&](std::size_t b, std::size_t e, unsigned) {
-      matmul_rows_bf16(w, xb, xs, m, y, b * kGrain, std::min(e * kGrain, w.rows));
+      matmul_rows_bf16(w, xb.data, xb.stride, m, y, b * kGrain, std::min(e * kGrain, w.rows));
     });
     return;
   }
 #endif
   pool.parallel_for(n_tasks, [&](std::size_t b, std::size_t e, unsigned) {
     matmul_rows<A>(w, x, m, y, b * kGrain, std::min(e * kGrain, w.rows), xq);
+  });
+}
+
+// Consecutive rows of one call that take one path: bulk or not (see matmul).
+struct RowGroup {
+  std::size_t row0 = 0, n = 0;
+  bool bulk = false;
+};
+
+// y[m, w.rows] = x * w^T where the rows come in groups on different paths (a prompt's piece beside the
+// rows of decode steps): each group's rows get exactly what matmul gives them, but in one pass over the
+// weights. A call per group would stream every weight once per group; here each block of weight rows
+// (about kFuseBytes) runs for every group while it is in cache. The kernels' results do not depend on the
+// weight-row range they are given (gemm::for_each_tile: each (row, token) is one chain over k; the dot
+// kernels are row by row), so nothing changes but the traffic. Bulk groups on AMX tiles run as calls.
+inline constexpr std::size_t kFuseBytes = 384 * 1024;
+
+template <class A = simd::Best>
+inline void matmul_groups(ThreadPool& pool, const MatView& w, const float* x, float* y, QuantPath path,
+                          std::span<const RowGroup> groups) {
+  if (groups.empty()) return;
+  const bool fast_bf16 = path.fast_float && w.type == DType::BF16 && gemm::kHaveFastBf16;
+#if PP_HAVE_AMX
+  for (const RowGroup& g : groups)
+    if (g.bulk && amx::applies(w) && !fast_bf16) {
+      for (const RowGroup& h : groups) matmul<A>(pool, w, x + h.row0 * w.cols, h.n, y + h.row0 * w.rows, path, h.bulk);
+      return;
+    }
+#endif
+  const std::size_t m = groups.back().row0 + groups.back().n;
+  // Quantized activations for every row at once (row by row: what each group's call would make).
+  const uint8_t* xq = nullptr;
+  std::size_t rb = 0;
+  if (path.fast && is_quantized(w.type)) {
+    rb = quant::act_row_bytes(w.type, w.cols);
+    assert(path.xq.size() >= m * rb);
+    pool.parallel_for(m, [&](std::size_t b, std::size_t e, unsigned) {
+      for (std::size_t i = b; i < e; ++i) quant::quantize_act_row(w.type, x + i * w.cols, w.cols, path.xq.data() + i * rb);
+    });
+    xq = path.xq.data();
+  }
+  // Each group's activations in its path's form, as matmul prepares them, in the caller's buffers (grown
+  // to the largest call, then reused).
+  enum class Kind { q8_tiles, tiles, tiles_bf16, dot_bf16, rows };
+  struct Prepared {
+    Kind kind = Kind::rows;
+    std::size_t slot = 0;
+    Bf16Rows xb{};
+  };
+  // (Bound here: in the pool's tasks the names would be each pool thread's own.)
+  static thread_local std::vector<gemm::PackedX> packed_tls;
+  static thread_local std::vector<std::vector<uint16_t>> rounded_tls;
+  std::vector<gemm::PackedX>& packed = packed_tls;
+  std::vector<std::vector<uint16_t>>& rounded = rounded_tls;
+#if PP_HAVE_Q8_TILES
+  static thread_local std::vector<gemm_q8::PackedX> packed_q8_tls;
+  std::vector<gemm_q8::PackedX>& packed_q8 = packed_q8_tls;
+#endif
+  std::vector<Prepared> prep(groups.size());
+  std::size_t n_packed = 0, n_rounded = 0;
+  [[maybe_unused]] std::size_t n_q8 = 0;
+  for (std::size_t i = 0; i < groups.size(); ++i) {
+    const RowGroup& g = groups[i];
+    Prepared& p = prep[i];
+#if PP_HAVE_Q8_TILES
+    if (g.bulk && xq && w.type == DType::Q8_0) {
+      p.kind = Kind::q8_tiles, p.slot = n_q8++;
+      if (packed_q8.size() < n_q8) packed_q8.resize(n_q8);
+      gemm_q8::PackedX& px = packed_q8[p.slot];
+      gemm_q8::prepare(px, g.n, w.cols);
+      const uint8_t* gx = xq + g.row0 * rb;
+      pool.parallel_for(px.blocks(), [&](std::size_t b, std::size_t e, unsigned) { gemm_q8::pack_blocks(gx, px, b, e); });
+      continue;
+    }
+#endif
+    if (g.bulk && gemm::applies(w)) {
+      p.kind = fast_bf16 ? Kind::tiles_bf16 : Kind::tiles, p.slot = n_packed++;
+      if (packed.size() < n_packed) packed.resize(n_packed);
+      gemm::PackedX& px = packed[p.slot];
+      gemm::prepare(px, g.n, w.cols, fast_bf16);
+      const float* gx = x + g.row0 * w.cols;
+      pool.parallel_for(px.blocks(), [&](std::size_t b, std::size_t e, unsigned) { gemm::pack_blocks(gx, px, b, e); });
+      continue;
+    }
+    if (fast_bf16) {
+      p.kind = Kind::dot_bf16, p.slot = n_rounded++;
+      if (rounded.size() < n_rounded) rounded.resize(n_rounded);
+      p.xb = round_rows_bf16(x + g.row0 * w.cols, g.n, w.cols, rounded[p.slot]);
+    }
+  }
+  // Weight rows per block: a multiple of the tiles' row counts (12 and 6; 4 for the dot tiles).
+  const std::size_t fuse = std::clamp<std::size_t>(kFuseBytes / std::max<std::size_t>(1, w.row_stride) / 12 * 12, 12, 48);
+  const std::size_t n_blocks = (w.rows + fuse - 1) / fuse;
+  pool.parallel_for(n_blocks, [&](std::size_t b, std::size_t e, unsigned) {
+    for (std::size_t j = b; j < e; ++j) {
+      const std::size_t r0 = j * fuse, r1 = std::min(r0 + fuse, w.rows);
+      for (std::size_t i = 0; i < groups.size(); ++i) {
+        const RowGroup& g = groups[i];
+        float* gy = y + g.row0 * w.rows;
+        switch (prep[i].kind) {
+#if PP_HAVE_Q8_TILES
+          case Kind::q8_tiles: gemm_q8::matmul_packed(w, packed_q8[prep[i].slot], gy, r0, r1); break;
+#endif
+#if PP_HAVE_BF16_DOT
+          case Kind::tiles_bf16: gemm::matmul_packed_bf16(w, packed[prep[i].slot], gy, r0, r1); break;
+          case Kind::dot_bf16: matmul_rows_bf16(w, prep[i].xb.data, prep[i].xb.stride, g.n, gy, r0, r1); break;
+#endif
+          case Kind::tiles: gemm::matmul_packed<A>(w, packed[prep[i].slot], gy, r0, r1); break;
+          default: matmul_rows<A>(w, x + g.row0 * w.cols, g.n, gy, r0, r1, xq ? xq + g.row0 * rb : nullptr); break;
+        }
+      }
+    }
   });
 }
 

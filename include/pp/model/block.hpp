@@ -28,14 +28,23 @@ struct Segment {
   bool bulk = false;
 };
 
-// y = x * w^T for the chunk's rows, each run of consecutive bulk or non-bulk segments in one call.
+// y = x * w^T for the chunk's rows: one call when every segment takes the same path; else each run of
+// consecutive bulk or non-bulk segments on its path, in one pass over the weights (kernels::matmul_groups:
+// a decode step with a prompt's piece in it streams the weights once, not twice).
 inline void matmul_segments(ThreadPool& pool, const MatView& w, std::span<const Segment> segs, const float* x,
                             float* y, kernels::QuantPath qp) {
+  static thread_local std::vector<kernels::RowGroup> groups;  // the caller's, reused
+  groups.clear();
   for (std::size_t a = 0, b; a < segs.size(); a = b) {
     for (b = a + 1; b < segs.size() && segs[b].bulk == segs[a].bulk;) ++b;
     const std::size_t r0 = segs[a].row0, r1 = segs[b - 1].row0 + segs[b - 1].n;
-    kernels::matmul(pool, w, x + r0 * w.cols, r1 - r0, y + r0 * w.rows, qp, segs[a].bulk);
+    groups.push_back(kernels::RowGroup{r0, r1 - r0, segs[a].bulk});
   }
+  if (groups.size() == 1) {
+    const kernels::RowGroup& g = groups.front();
+    return kernels::matmul(pool, w, x + g.row0 * w.cols, g.n, y + g.row0 * w.rows, qp, g.bulk);
+  }
+  kernels::matmul_groups(pool, w, x, y, qp, groups);
 }
 
 // The steps of one decoder block over a chunk of rows (one or several segments, see Segment), each
