@@ -273,8 +273,10 @@ TEST(MicroBatchTuner, SettlesOnTheFasterCountAndLooksAtTheOtherNowAndThen) {
     c.run(2000, 8);
     const std::size_t fast = c.tokens_on[one_faster ? 0 : 1], slow = c.tokens_on[one_faster ? 1 : 0];
     EXPECT_GT(slow, 0u) << "never looked at the other count again";
-    EXPECT_GT(double(fast) / double(fast + slow), 0.8);
+    EXPECT_GT(double(fast) / double(fast + slow), 0.9);
     EXPECT_GT(c.tuner.switches, switches);
+    // Each look that found the other still slower doubled the wait for the next.
+    EXPECT_EQ(c.tuner.wait, c.tuner.kMaxExploitWindows);
   }
 }
 
@@ -284,6 +286,8 @@ TEST(MicroBatchTuner, FollowsAChangedHostAndIgnoresWhatItCannotCompare) {
   c.run(60, 8);
   ASSERT_EQ(c.tuner.count(), 1u);
   // The host changes (another tenant, other threads): one per stage is now the faster.
+  c.run(4000, 8);  // long enough for the looks to be rare
+  ASSERT_EQ(c.tuner.wait, c.tuner.kMaxExploitWindows);
   c.rate_one = 30, c.rate_per_stage = 60;
   c.run(400, 8);
   EXPECT_EQ(c.tuner.count(), 2u);

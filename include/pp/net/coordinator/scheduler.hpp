@@ -306,15 +306,19 @@ class Coordinator {
   // tokens depends on how a step's cost grows with its rows (weight type, kernels, threads, shared or
   // separate cores), so both are tried while at least two sessions decode: a window of decode replies
   // under each count (the first replies after a switch are skipped: they were sent under the old count),
-  // then the faster one, with one window of the other every kExploitWindows to follow a changed load.
-  // A window that saw prompt rows or a change in the number of decoding sessions is discarded.
+  // then the faster one, with one window of the other after kExploitWindows to follow a changed load;
+  // each look that finds the other still slower doubles the wait for the next (up to kMaxExploitWindows:
+  // a look costs a window at the slower count and two switches). A window that saw prompt rows or a
+  // change in the number of decoding sessions is discarded.
   struct MicroBatchTuner {
-    static constexpr std::size_t kExploitWindows = 8;
+    static constexpr std::size_t kExploitWindows = 8, kMaxExploitWindows = 64;
     std::size_t stages = 1;
     std::size_t pick = 1;               // 0: one micro-batch, 1: one per stage
     double rate[2] = {0, 0};            // tokens/s measured for each, exponentially averaged
     std::size_t rate_live[2] = {0, 0};  // the decoding sessions those rates were measured with
     std::size_t skip = 0, replies = 0, live = 0, exploit = 0;
+    std::size_t wait = kExploitWindows;  // exploit windows before the next look at the other count
+    bool looking = false;                // this window is such a look
     uint64_t tokens = 0;
     SteadyClock::time_point start{};
     uint64_t switches = 0;
@@ -343,12 +347,16 @@ class Coordinator {
         next = other;  // not measured with this load yet
       } else if (rate[other] > rate[pick]) {
         next = other;
-        exploit = 0;
-      } else if (++exploit >= kExploitWindows) {
+        // A look that found the other still the faster: look again later each time it does.
+        wait = looking ? std::min(2 * wait, kMaxExploitWindows) : kExploitWindows;
+      } else if (++exploit >= wait) {
         next = other;  // a look at the other: the load or the host may have changed
-        exploit = 0;
+      } else if (looking) {
+        wait = kExploitWindows;  // the look found this count the faster: the host changed
       }
+      looking = next != pick && rate_live[other] == decoding && rate[other] > 0 && rate[other] <= rate[pick];
       if (next != pick) {
+        exploit = 0;
         pick = next;
         ++switches;
         skip = stages;
