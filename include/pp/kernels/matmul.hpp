@@ -236,6 +236,21 @@ inline Bf16Rows round_rows_bf16(const float* x, std::size_t m, std::size_t n, st
   return {xb, xs};
 }
 
+// The kernel a call's rows take: this choice is the numerics' contract (a row's result depends on its
+// kernel), so matmul and matmul_groups both make it here.
+enum class Kernel { q8_tiles, amx, tiles, tiles_bf16, dot_bf16, rows };
+inline Kernel kernel_for(const MatView& w, QuantPath path, [[maybe_unused]] bool bulk) {
+  const bool fast_bf16 = path.fast_float && w.type == DType::BF16 && gemm::kHaveFastBf16;
+#if PP_HAVE_Q8_TILES
+  if (bulk && path.fast && w.type == DType::Q8_0) return Kernel::q8_tiles;
+#endif
+#if PP_HAVE_AMX
+  if (bulk && amx::applies(w) && !fast_bf16) return Kernel::amx;
+#endif
+  if (bulk && gemm::applies(w)) return fast_bf16 ? Kernel::tiles_bf16 : Kernel::tiles;
+  return fast_bf16 ? Kernel::dot_bf16 : Kernel::rows;
+}
+
 // y[m, w.rows] = x[m, w.cols] * w^T, output rows split across the pool. bulk: the rows belong to bulk
 // requests (see kBulkRows); the caller decides, so that a row's path depends on its own request only.
 template <class A = simd::Best>
@@ -252,8 +267,9 @@ inline void matmul(ThreadPool& pool, const MatView& w, const float* x, std::size
   }
   constexpr std::size_t kGrain = 16;  // rows per task: whole row blocks (and whole register tiles)
   const std::size_t n_tasks = (w.rows + kGrain - 1) / kGrain;
+  const Kernel kernel = kernel_for(w, path, bulk);
 #if PP_HAVE_Q8_TILES
-  if (bulk && xq && w.type == DType::Q8_0) {
+  if (kernel == Kernel::q8_tiles) {
     static thread_local gemm_q8::PackedX tls;  // the caller's, grown to the largest call (see below)
     gemm_q8::PackedX& px = tls;
     gemm_q8::prepare(px, m, w.cols);
@@ -264,11 +280,11 @@ inline void matmul(ThreadPool& pool, const MatView& w, const float* x, std::size
     return;
   }
 #endif
-  const bool fast_bf16 = path.fast_float && w.type == DType::BF16 && gemm::kHaveFastBf16;
 #if PP_HAVE_AMX
-  if (bulk && amx::applies(w) && !fast_bf16) return matmul_amx<A>(pool, w, x, m, y);
+  if (kernel == Kernel::amx) return matmul_amx<A>(pool, w, x, m, y);
 #endif
-  if (bulk && gemm::applies(w)) {
+  if (kernel == Kernel::tiles || kernel == Kernel::tiles_bf16) {
+    const bool fast_bf16 = kernel == Kernel::tiles_bf16;
     // Packed once per call by the pool into the caller's buffer (grown to the largest call, then reused).
     static thread_local gemm::PackedX tls;
     gemm::PackedX& px = tls;
@@ -284,7 +300,7 @@ inline void matmul(ThreadPool& pool, const MatView& w, const float* x, std::size
     return;
   }
 #if PP_HAVE_BF16_DOT
-  if (fast_bf16) {
+  if (kernel == Kernel::dot_bf16) {
     static thread_local std::vector<uint16_t> tls;  // the caller's (see above)
     const Bf16Rows xb = round_rows_bf16(x, m, w.cols, tls);
     pool.parallel_for(n_tasks, [&](std::size_t b, std::size_t e, unsigned) {
@@ -316,14 +332,11 @@ template <class A = simd::Best>
 inline void matmul_groups(ThreadPool& pool, const MatView& w, const float* x, float* y, QuantPath path,
                           std::span<const RowGroup> groups) {
   if (groups.empty()) return;
-  const bool fast_bf16 = path.fast_float && w.type == DType::BF16 && gemm::kHaveFastBf16;
-#if PP_HAVE_AMX
   for (const RowGroup& g : groups)
-    if (g.bulk && amx::applies(w) && !fast_bf16) {
+    if (kernel_for(w, path, g.bulk) == Kernel::amx) {
       for (const RowGroup& h : groups) matmul<A>(pool, w, x + h.row0 * w.cols, h.n, y + h.row0 * w.rows, path, h.bulk);
       return;
     }
-#endif
   const std::size_t m = groups.back().row0 + groups.back().n;
   // Quantized activations for every row at once (row by row: what each group's call would make).
   const uint8_t* xq = nullptr;
@@ -338,9 +351,8 @@ inline void matmul_groups(ThreadPool& pool, const MatView& w, const float* x, fl
   }
   // Each group's activations in its path's form, as matmul prepares them, in the caller's buffers (grown
   // to the largest call, then reused).
-  enum class Kind { q8_tiles, tiles, tiles_bf16, dot_bf16, rows };
   struct Prepared {
-    Kind kind = Kind::rows;
+    Kernel kernel = Kernel::rows;
     std::size_t slot = 0;
     Bf16Rows xb{};
   };
@@ -353,15 +365,18 @@ inline void matmul_groups(ThreadPool& pool, const MatView& w, const float* x, fl
   static thread_local std::vector<gemm_q8::PackedX> packed_q8_tls;
   std::vector<gemm_q8::PackedX>& packed_q8 = packed_q8_tls;
 #endif
-  std::vector<Prepared> prep(groups.size());
+  static thread_local std::vector<Prepared> prep_tls;
+  std::vector<Prepared>& prep = prep_tls;
+  prep.assign(groups.size(), Prepared{});
   std::size_t n_packed = 0, n_rounded = 0;
   [[maybe_unused]] std::size_t n_q8 = 0;
   for (std::size_t i = 0; i < groups.size(); ++i) {
     const RowGroup& g = groups[i];
     Prepared& p = prep[i];
+    p.kernel = kernel_for(w, path, g.bulk);
 #if PP_HAVE_Q8_TILES
-    if (g.bulk && xq && w.type == DType::Q8_0) {
-      p.kind = Kind::q8_tiles, p.slot = n_q8++;
+    if (p.kernel == Kernel::q8_tiles) {
+      p.slot = n_q8++;
       if (packed_q8.size() < n_q8) packed_q8.resize(n_q8);
       gemm_q8::PackedX& px = packed_q8[p.slot];
       gemm_q8::prepare(px, g.n, w.cols);
@@ -370,17 +385,17 @@ inline void matmul_groups(ThreadPool& pool, const MatView& w, const float* x, fl
       continue;
     }
 #endif
-    if (g.bulk && gemm::applies(w)) {
-      p.kind = fast_bf16 ? Kind::tiles_bf16 : Kind::tiles, p.slot = n_packed++;
+    if (p.kernel == Kernel::tiles || p.kernel == Kernel::tiles_bf16) {
+      p.slot = n_packed++;
       if (packed.size() < n_packed) packed.resize(n_packed);
       gemm::PackedX& px = packed[p.slot];
-      gemm::prepare(px, g.n, w.cols, fast_bf16);
+      gemm::prepare(px, g.n, w.cols, p.kernel == Kernel::tiles_bf16);
       const float* gx = x + g.row0 * w.cols;
       pool.parallel_for(px.blocks(), [&](std::size_t b, std::size_t e, unsigned) { gemm::pack_blocks(gx, px, b, e); });
       continue;
     }
-    if (fast_bf16) {
-      p.kind = Kind::dot_bf16, p.slot = n_rounded++;
+    if (p.kernel == Kernel::dot_bf16) {
+      p.slot = n_rounded++;
       if (rounded.size() < n_rounded) rounded.resize(n_rounded);
       p.xb = round_rows_bf16(x + g.row0 * w.cols, g.n, w.cols, rounded[p.slot]);
     }
@@ -394,15 +409,15 @@ inline void matmul_groups(ThreadPool& pool, const MatView& w, const float* x, fl
       for (std::size_t i = 0; i < groups.size(); ++i) {
         const RowGroup& g = groups[i];
         float* gy = y + g.row0 * w.rows;
-        switch (prep[i].kind) {
+        switch (prep[i].kernel) {
 #if PP_HAVE_Q8_TILES
-          case Kind::q8_tiles: gemm_q8::matmul_packed(w, packed_q8[prep[i].slot], gy, r0, r1); break;
+          case Kernel::q8_tiles: gemm_q8::matmul_packed(w, packed_q8[prep[i].slot], gy, r0, r1); break;
 #endif
 #if PP_HAVE_BF16_DOT
-          case Kind::tiles_bf16: gemm::matmul_packed_bf16(w, packed[prep[i].slot], gy, r0, r1); break;
-          case Kind::dot_bf16: matmul_rows_bf16(w, prep[i].xb.data, prep[i].xb.stride, g.n, gy, r0, r1); break;
+          case Kernel::tiles_bf16: gemm::matmul_packed_bf16(w, packed[prep[i].slot], gy, r0, r1); break;
+          case Kernel::dot_bf16: matmul_rows_bf16(w, prep[i].xb.data, prep[i].xb.stride, g.n, gy, r0, r1); break;
 #endif
-          case Kind::tiles: gemm::matmul_packed<A>(w, packed[prep[i].slot], gy, r0, r1); break;
+          case Kernel::tiles: gemm::matmul_packed<A>(w, packed[prep[i].slot], gy, r0, r1); break;
           default: matmul_rows<A>(w, x + g.row0 * w.cols, g.n, gy, r0, r1, xq ? xq + g.row0 * rb : nullptr); break;
         }
       }

@@ -342,19 +342,20 @@ class Coordinator {
       rate[pick] = rate_live[pick] == decoding && rate[pick] > 0 ? 0.7 * rate[pick] + 0.3 * r : r;
       rate_live[pick] = decoding;
       const std::size_t other = 1 - pick;
+      const bool was_looking = std::exchange(looking, false);
       std::size_t next = pick;
-      if (rate_live[other] != decoding || rate[other] <= 0) {
+      if (rate_live[other] != decoding) {
         next = other;  // not measured with this load yet
       } else if (rate[other] > rate[pick]) {
         next = other;
         // A look that found the other still the faster: look again later each time it does.
-        wait = looking ? std::min(2 * wait, kMaxExploitWindows) : kExploitWindows;
+        wait = was_looking ? std::min(2 * wait, kMaxExploitWindows) : kExploitWindows;
       } else if (++exploit >= wait) {
         next = other;  // a look at the other: the load or the host may have changed
-      } else if (looking) {
+        looking = true;
+      } else if (was_looking) {
         wait = kExploitWindows;  // the look found this count the faster: the host changed
       }
-      looking = next != pick && rate_live[other] == decoding && rate[other] > 0 && rate[other] <= rate[pick];
       if (next != pick) {
         exploit = 0;
         pick = next;
