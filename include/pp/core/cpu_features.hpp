@@ -160,7 +160,7 @@ inline std::string supported_list(const Features& f) {
 // The instruction sets the including code was compiled to use (its -march, as the compiler's feature
 // macros tell) that `f` lacks, comma-separated; "" when `f` runs them all. AMX is not among them: it is
 // enabled at run time only where present (kernels/amx.hpp).
-inline std::string missing_for_build(const Features& f) {
+inline std::string missing_for_build([[maybe_unused]] const Features& f) {
   std::string m;
   [[maybe_unused]] auto need = [&m](bool have, const char* what) {
     if (have) return;
