@@ -77,6 +77,33 @@ void matvec_args(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(BM_Matvec)->Apply(matvec_args)->Unit(benchmark::kMicrosecond)->UseRealTime();
 
+// The quantized fast path's decode step: one token (or a 4-token tile) against a matrix of valid blocks
+// (random codes, scales near 1) streamed from memory; the activation quantization is in the time.
+void BM_MatvecQuant(benchmark::State& st) {
+  const auto type = pp::DType(st.range(0));
+  const std::size_t rows = std::size_t(st.range(1)), cols = std::size_t(st.range(2)), m = std::size_t(st.range(3));
+  const std::size_t bytes = pp::row_bytes(type, cols) * rows;
+  pp::AnonymousRegion w(bytes);
+  std::mt19937 rng(1);
+  for (std::size_t i = 0; i < bytes / 2; ++i) reinterpret_cast<uint16_t*>(w.data())[i] = uint16_t(0x3c00 ^ (rng() & 0x03ff));
+  pp::MatView mv{type, w.data(), rows, cols, pp::row_bytes(type, cols)};
+  std::vector<float> x(m * cols), y(m * rows);
+  for (auto& v : x) v = float(int(rng() % 2001) - 1000) / 1000.f;
+  std::vector<uint8_t> xq(m * pp::kernels::xq_row_bytes(cols));
+  pp::ThreadPool pool(1);
+  for (auto _ : st) {
+    pp::kernels::matmul(pool, mv, x.data(), m, y.data(), {true, xq});
+    benchmark::DoNotOptimize(y.data());
+  }
+  st.counters["GB/s"] = benchmark::Counter(double(bytes), benchmark::Counter::kIsIterationInvariantRate);
+  st.SetLabel(std::string(pp::dtype_name(type)) + " fast " + std::to_string(rows) + "x" + std::to_string(cols) +
+              ", " + std::to_string(m) + " token(s), 1 thread");
+}
+BENCHMARK(BM_MatvecQuant)
+    ->ArgsProduct({{int(pp::DType::Q4_K), int(pp::DType::Q6_K), int(pp::DType::Q8_0)}, {8192}, {2048}, {1, 4}})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+
 // A decode step of m sequences batched together (m rows, not bulk: the dot kernels) against weights
 // streamed from memory: four copies of the matrix, used in turn, so that none is in cache. The last
 // argument: 1 = BF16 weights on the fast path (activations rounded to bf16, the bf16 dot).

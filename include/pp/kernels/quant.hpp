@@ -147,11 +147,133 @@ inline void dot_fast(const Block* w, std::size_t n, const uint8_t* xq, std::size
   for (int t = 0; t < NT; ++t) y[t * ys] = xsimd::hadd(acc[t]) + mins[t];
 }
 
+#if XSIMD_WITH_AVX512BW
+// The K-quants on AVX-512BW: 64 codes a register, two sub-blocks (Q4_K / Q5_K) or four 16-groups (Q6_K)
+// at once, against the activation bytes as Q8_K stores them (no shuffle on that side). The int16 pair
+// sums of vpmaddubsw (|u| <= 63, |s| <= 127: at most 16002) are multiplied by each lane's scale and
+// summed into int32 by vpdpwssd where AVX512-VNNI is compiled in, vpmaddwd + vpaddd otherwise: the same
+// exact integers either way. Per block, the 16 int32 lanes become f32 and are scaled into f32 lanes.
+namespace k512 {
+inline __m512i dot_scaled(__m512i acc, __m512i u, __m512i s, __m512i sc) {
+  const __m512i p = _mm512_maddubs_epi16(u, s);
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, p, sc);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(p, sc));
+#endif
+}
+// 32 bytes in both halves, the high half shifted right by `hi_shift` bits (in 64-bit lanes: callers mask
+// to bits that stay within their byte).
+inline __m512i halves(const uint8_t* p32, int lo_shift, int hi_shift) {
+  const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p32)));
+  return _mm512_srlv_epi64(v, _mm512_set_epi64(hi_shift, hi_shift, hi_shift, hi_shift, lo_shift, lo_shift, lo_shift,
+                                                lo_shift));
+}
+// Lane-index vectors for vpermw: lane i of kPick[c] = 4c + i / 8 (Q6_K's 16-groups of a 64-element
+// chunk c) and, read as 2c + i / 16, the two sub-blocks of Q4_K's chunk c.
+struct alignas(64) PickTable {
+  int16_t k6[4][32], k4[4][32];
+  constexpr PickTable() : k6{}, k4{} {
+    for (int c = 0; c < 4; ++c)
+      for (int i = 0; i < 32; ++i) k6[c][i] = int16_t(4 * c + i / 8), k4[c][i] = int16_t(2 * c + i / 16);
+  }
+};
+inline constexpr PickTable kPick{};
+inline __m512i pick(const int16_t* idx, __m512i v) {
+  return _mm512_permutexvar_epi16(_mm512_load_si512(idx), v);
+}
+inline float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
+inline float reduce(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+template <int NT, class Block>
+inline void dot_k4(const Block* w, std::size_t n, const uint8_t* xq, std::size_t xqs, float* y, std::size_t ys) {
+  const __m512i m4 = _mm512_set1_epi8(0x0f);
+  __m512 acc[NT];
+  __m256 accm[NT];
+  const BlockQ8_K* a[NT];
+  for (int t = 0; t < NT; ++t)
+    acc[t] = _mm512_setzero_ps(), accm[t] = _mm256_setzero_ps(), a[t] = reinterpret_cast<const BlockQ8_K*>(xq + t * xqs);
+  for (std::size_t i = 0; i < n / 256; ++i) {
+    const Block& b = w[i];
+    simd::prefetch_ahead(&b, sizeof(Block));
+    uint8_t sc[8], mn[8];
+    scales_mins_k4(b.scales, sc, mn);
+    const __m512i scw = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+    const __m128i mw = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
+    const __m256i mins = _mm256_set_m128i(_mm_unpackhi_epi16(mw, mw), _mm_unpacklo_epi16(mw, mw));  // lanes 2j, 2j+1
+    __m512i u[4], scale[4];
+    for (int c = 0; c < 4; ++c) {  // elements 64c ..: sub-block 2c in the low half, 2c + 1 in the high
+      u[c] = _mm512_and_si512(halves(b.qs + 32 * c, 0, 4), m4);
+      if constexpr (std::is_same_v<Block, BlockQ5_K>) {  // + 16 where bit 2c (2c + 1) of qh[l] is set
+        const __m512i bit = _mm512_mask_blend_epi64(0xf0, _mm512_set1_epi8(int8_t(1u << (2 * c))),
+                                                    _mm512_set1_epi8(int8_t(1u << (2 * c + 1))));
+        const __mmask64 set = _mm512_test_epi8_mask(halves(b.qh, 0, 0), bit);
+        u[c] = _mm512_mask_add_epi8(u[c], set, u[c], _mm512_set1_epi8(16));
+      }
+      scale[c] = pick(kPick.k4[c], scw);
+    }
+    const float d = h2f(b.d), dmin = h2f(b.dmin);
+    for (int t = 0; t < NT; ++t) {
+      const BlockQ8_K& x = a[t][i];
+      __m512i p = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) p = dot_scaled(p, u[c], _mm512_loadu_si512(x.qs + 64 * c), scale[c]);
+      const __m256i m = _mm256_madd_epi16(mins, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsums)));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(d * x.d), acc[t]);
+      accm[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(dmin * x.d), accm[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) y[t * ys] = reduce(acc[t]) - reduce(accm[t]);
+}
+
+template <int NT>
+inline void dot_k6(const BlockQ6_K* w, std::size_t n, const uint8_t* xq, std::size_t xqs, float* y, std::size_t ys) {
+  const __m512i m4 = _mm512_set1_epi8(0x0f), m3 = _mm512_set1_epi8(0x03);
+  __m512 acc[NT];
+  __m256 acco[NT];
+  const BlockQ8_K* a[NT];
+  for (int t = 0; t < NT; ++t)
+    acc[t] = _mm512_setzero_ps(), acco[t] = _mm256_setzero_ps(), a[t] = reinterpret_cast<const BlockQ8_K*>(xq + t * xqs);
+  for (std::size_t i = 0; i < n / 256; ++i) {
+    const BlockQ6_K& b = w[i];
+    simd::prefetch_ahead(&b, sizeof(BlockQ6_K));
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.scales)));
+    const __m512i scw = _mm512_castsi256_si512(sc16);
+    __m512i u[4], scale[4];
+    for (int h = 0; h < 2; ++h) {  // chunk 2h + k2: elements 128h + 64 k2 .., low nibbles for k2 = 0
+      const __m512i ql = _mm512_loadu_si512(b.ql + 64 * h);
+      const __m512i hi01 = _mm512_slli_epi16(_mm512_and_si512(halves(b.qh + 32 * h, 0, 2), m3), 4);
+      const __m512i hi23 = _mm512_slli_epi16(_mm512_and_si512(halves(b.qh + 32 * h, 4, 6), m3), 4);
+      u[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), hi01);
+      u[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), hi23);
+    }
+    for (int c = 0; c < 4; ++c) scale[c] = pick(kPick.k6[c], scw);
+    const float d = h2f(b.d);
+    for (int t = 0; t < NT; ++t) {
+      const BlockQ8_K& x = a[t][i];
+      __m512i p = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) p = dot_scaled(p, u[c], _mm512_loadu_si512(x.qs + 64 * c), scale[c]);
+      const __m256i off = _mm256_madd_epi16(sc16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsums)));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(d * x.d), acc[t]);
+      acco[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(32.f * d * x.d), acco[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) y[t * ys] = reduce(acc[t]) - reduce(acco[t]);
+}
+}  // namespace k512
+#endif
+
 // Q4_K / Q5_K: sum_j d sc_j (q . s)_j - dmin m_j (sum of s over sub-block j), times the activation scale.
 template <class A, int NT, class Block>
 inline void dot_fast(const Block* w, std::size_t n, const uint8_t* xq, std::size_t xqs, float* y, std::size_t ys)
   requires(std::is_same_v<Block, BlockQ4_K> || std::is_same_v<Block, BlockQ5_K>)
 {
+#if XSIMD_WITH_AVX512BW
+  if constexpr (std::is_base_of_v<xsimd::avx512bw, A>) return k512::dot_k4<NT>(w, n, xq, xqs, y, ys);
+#endif
   using IA = simd::IntArch<A>;
   using F = fb<IA>;
   using I = ib<IA>;
@@ -195,6 +317,9 @@ template <class A, int NT, class Block>
 inline void dot_fast(const Block* w, std::size_t n, const uint8_t* xq, std::size_t xqs, float* y, std::size_t ys)
   requires(std::is_same_v<Block, BlockQ6_K>)
 {
+#if XSIMD_WITH_AVX512BW
+  if constexpr (std::is_base_of_v<xsimd::avx512bw, A>) return k512::dot_k6<NT>(w, n, xq, xqs, y, ys);
+#endif
   using IA = simd::IntArch<A>;
   using F = fb<IA>;
   using I = ib<IA>;
