@@ -298,7 +298,8 @@ inline void dot_fast(const Block* w, std::size_t n, const uint8_t* xq, std::size
         u[2 * p + 1] = u[2 * p + 1] | Q::bit4_of_bytes(b.qh, 2 * p + 1);
       }
     }
-    for (int j = 0; j < 8; ++j) group[j] = scales.group(j);
+    const auto& groups = simd::groups_of(scales);
+    for (int j = 0; j < 8; ++j) group[j] = groups.group(j);
     const float d = h2f(b.d), dmin = h2f(b.dmin);
     for (int t = 0; t < NT; ++t) {
       const BlockQ8_K& x = a[t][i];
@@ -339,7 +340,8 @@ inline void dot_fast(const Block* w, std::size_t n, const uint8_t* xq, std::size
         const uint8_t* ql = b.ql + 64 * h + 32 * (k & 1);
         u[4 * h + k] = (k < 2 ? Q::low_nibbles(ql) : Q::high_nibbles(ql)) | Q::bits45_of_bytes(b.qh + 32 * h, 2 * k);
       }
-    for (int g = 0; g < 8; ++g) group[g] = scales.group(g);
+    const auto& groups = simd::groups_of(scales);
+    for (int g = 0; g < 8; ++g) group[g] = groups.group(g);
     const float d = h2f(b.d);
     for (int t = 0; t < NT; ++t) {
       const BlockQ8_K& x = a[t][i];
