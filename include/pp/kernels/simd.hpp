@@ -372,8 +372,9 @@ inline constexpr int kWeightAccumulators = std::is_same_v<WT, F16w> ? 2 : kAccum
 
 // Weight rows lie end to end and are read once per token: fetching a fixed distance ahead of the read
 // keeps one stream going across rows and pages (the hardware prefetcher stops at each 4 KiB page, and
-// a bf16 row of 2048 is exactly one). Worth about 15% of a core's bandwidth here.
-inline constexpr std::size_t kPrefetchBytes = 2048;
+// a bf16 row of 2048 is exactly one). Worth about 15% of a core's bandwidth here. One page ahead:
+// 2048 left Zen 5 decode 6-12% below 4096 for every weight type; 8192 was no better (docs/PERFORMANCE.md).
+inline constexpr std::size_t kPrefetchBytes = 4096;
 
 // Prefetches the cache lines of [p, p + bytes) kPrefetchBytes ahead.
 inline void prefetch_ahead(const void* p, std::size_t bytes) {
