@@ -142,7 +142,7 @@ BENCHMARK(BM_MatmulFew)
     ->ArgsProduct({{int(pp::DType::BF16)}, {8192}, {2048}, {1, 2, 4, 8}, {0, 1}})
     ->ArgsProduct({{int(pp::DType::F16)}, {8192}, {2048}, {1, 2, 4}, {0}})
     ->Args({int(pp::DType::BF16), 2048, 8192, 4, 0})
-    ->Args({int(pp::DType::BF16), 2048, 8192, 4, 1})
+    ->ArgsProduct({{int(pp::DType::BF16)}, {2048}, {8192}, {1, 2, 4}, {1}})
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
 

@@ -20,6 +20,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <iterator>
 #include <string>
 #include <string_view>
 
@@ -53,14 +54,11 @@ const Copy kCopies[] = {
     {pp::cpu::Target::Avx512Bf16, pp_main_avx512bf16, __start_pp_init_avx512bf16, __stop_pp_init_avx512bf16},
 };
 
+static_assert(std::size(kCopies) == std::size(pp::cpu::kTargets));
+
+// The targets this binary carries a copy of.
 std::string linked_list() {
-  std::string s;
-  for (const Copy& c : kCopies)
-    if (c.main) {
-      if (!s.empty()) s += ' ';
-      s += pp::cpu::name(c.target);
-    }
-  return s;
+  return pp::cpu::target_list([](pp::cpu::Target t) { return kCopies[static_cast<int>(t)].main != nullptr; });
 }
 
 // An environment value as it may reach a terminal: printable ASCII, at most 64 bytes, '?' for the rest.

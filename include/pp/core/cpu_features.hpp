@@ -146,15 +146,21 @@ inline bool supports(const Features& f, Target t) {
   return false;
 }
 
-// "sse4.2 avx2 avx512": the targets `f` can run.
-inline std::string supported_list(const Features& f) {
+// "sse4.2 avx2 avx512": the names of the targets `keep(t)` accepts, the lowest first.
+template <class Keep>
+std::string target_list(Keep keep) {
   std::string s;
   for (Target t : kTargets)
-    if (supports(f, t)) {
+    if (keep(t)) {
       if (!s.empty()) s += ' ';
       s += name(t);
     }
   return s;
+}
+
+// The targets `f` can run.
+inline std::string supported_list(const Features& f) {
+  return target_list([&f](Target t) { return supports(f, t); });
 }
 
 // The instruction sets the including code was compiled to use (its -march, as the compiler's feature

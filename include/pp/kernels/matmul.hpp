@@ -125,6 +125,7 @@ inline void dot_tile_bf16(const uint16_t* w, std::size_t ws, const uint16_t* xb,
 
 namespace detail {
 inline constexpr int kBf16TileRows = 4, kBf16TileTokens = 4;
+inline constexpr std::size_t kOneStreamXBytes = 16 * 1024;  // half or less of every L1d we target
 using Bf16DotTileFn = void (*)(const uint16_t*, std::size_t, const uint16_t*, std::size_t, std::size_t, float*,
                                std::size_t);
 template <int... I>
@@ -141,9 +142,19 @@ inline void matmul_rows_bf16(const MatView& w, const uint16_t* xb, std::size_t x
                              std::size_t r0, std::size_t r1) {
   constexpr std::size_t R = detail::kBf16TileRows, T = detail::kBf16TileTokens;
   const std::size_t n = w.cols, ys = w.rows, ws = w.row_stride / 2;
-  if (m == 1) {  // a decode step: one stream through the rows (with four, 0.63-0.76 of the triad; one, 0.93-0.98)
+  // Few rows (decode steps of up to 8 sequences) whose token tile of x fits in L1 beside the streamed
+  // weights: one row at a time, one stream through the rows, every token tile over the row while it is in
+  // L1. With four rows a tile, four streams: 0.63-0.76 of the triad for one token, against 0.93-0.98 with
+  // one; 2 and 4 tokens 15-35% faster, 8 as fast (pp_bench MatmulFew, docs/PERFORMANCE.md). Larger x
+  // tiles (2+ tokens against the 8192-wide down projection) keep four rows a tile: x is read from L2
+  // once per four rows instead of once per row. One token always takes one stream.
+  if (m == 1 || (m <= 2 * T && std::min(m, T) * n * sizeof(uint16_t) <= detail::kOneStreamXBytes)) {
     for (std::size_t r = r0; r < r1; ++r)
-      detail::kBf16DotTiles[0](reinterpret_cast<const uint16_t*>(w.row(r)), ws, xb, xs, n, y + r, ys);
+      for (std::size_t t = 0; t < m; t += T) {
+        const std::size_t tn = std::min(T, m - t);
+        detail::kBf16DotTiles[tn - 1](reinterpret_cast<const uint16_t*>(w.row(r)), ws, xb + t * xs, xs, n,
+                                      y + t * ys + r, ys);
+      }
     return;
   }
   for (std::size_t r = r0; r < r1; r += R) {  // R rows (16 KiB at n = 2048) stay in L1 for every token tile
