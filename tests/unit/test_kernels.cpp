@@ -48,7 +48,9 @@ TEST(CpuFeatures, MissingForBuildNamesWhatTheBuildUses) {
   want.push_back("bfdot");
 #endif
   for (const std::string& w : want) EXPECT_NE(none.find(w), std::string::npos) << w << " not in: " << none;
-  if (want.empty()) EXPECT_EQ(none, "");  // plain AArch64: NEON is in every AArch64 CPU
+  if (want.empty()) {
+    EXPECT_EQ(none, "");  // plain AArch64: NEON is in every AArch64 CPU
+  }
 }
 
 TEST(Float16, Bf16RoundTripAndRounding) {
