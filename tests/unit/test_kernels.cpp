@@ -352,9 +352,9 @@ TEST(GemmFastBf16, AgainstOracleOnRoundedActivationsAndShapeInvariant) {
 // The fast path's decode kernel (matmul.hpp's dot_tile_bf16: requests under kBulkRows rows with
 // fast_float): against the float64 oracle on the bf16-rounded activations, widths with and without a
 // 64- and 32-element tail; every row of an m-row request bit-identical to the same row alone (m up to
-// 15: full and partial 4-token and 4-row tiles; one row at a time for up to 8 tokens where their x tile
-// fits in L1, as at 2048 columns, and four rows a tile at 4096) and to any thread count; and not the
-// exact path's result.
+// 15: full and partial 4-token and 4-row tiles; one row a tile for up to 8 tokens where their x tile
+// fits in 16 KiB, as at 2048 columns, and at 4096 for 1-2 tokens but four rows a tile from 3) and to any
+// thread count; and not the exact path's result.
 TEST(MatmulFastBf16, DecodeRowsAgainstOracleAndEqualAlone) {
   if (!pp::kernels::gemm::kHaveFastBf16) GTEST_SKIP() << "no bf16 dot in this build (AVX512-BF16, AArch64 BF16)";
   std::mt19937 rng(11);

@@ -18,9 +18,9 @@
 //   PP_KERNELS=list              print the targets this CPU runs, the best last, and exit
 #include <pp/core/cpu_features.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <iterator>
 #include <string>
 #include <string_view>
 
@@ -54,11 +54,11 @@ const Copy kCopies[] = {
     {pp::cpu::Target::Avx512Bf16, pp_main_avx512bf16, __start_pp_init_avx512bf16, __stop_pp_init_avx512bf16},
 };
 
-static_assert(std::size(kCopies) == std::size(pp::cpu::kTargets));
-
 // The targets this binary carries a copy of.
 std::string linked_list() {
-  return pp::cpu::target_list([](pp::cpu::Target t) { return kCopies[static_cast<int>(t)].main != nullptr; });
+  return pp::cpu::target_list([](pp::cpu::Target t) {
+    return std::ranges::any_of(kCopies, [t](const Copy& c) { return c.target == t && c.main != nullptr; });
+  });
 }
 
 // An environment value as it may reach a terminal: printable ASCII, at most 64 bytes, '?' for the rest.

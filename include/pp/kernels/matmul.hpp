@@ -143,22 +143,17 @@ inline void matmul_rows_bf16(const MatView& w, const uint16_t* xb, std::size_t x
   constexpr std::size_t R = detail::kBf16TileRows, T = detail::kBf16TileTokens;
   const std::size_t n = w.cols, ys = w.rows, ws = w.row_stride / 2;
   // Few rows (decode steps of up to 8 sequences) whose token tile of x fits in L1 beside the streamed
-  // weights: one row at a time, one stream through the rows, every token tile over the row while it is in
-  // L1. With four rows a tile, four streams: 0.63-0.76 of the triad for one token, against 0.93-0.98 with
-  // one; 2 and 4 tokens 15-35% faster, 8 as fast (pp_bench MatmulFew, docs/PERFORMANCE.md). Larger x
-  // tiles (2+ tokens against the 8192-wide down projection) keep four rows a tile: x is read from L2
-  // once per four rows instead of once per row. One token always takes one stream.
-  if (m == 1 || (m <= 2 * T && std::min(m, T) * n * sizeof(uint16_t) <= detail::kOneStreamXBytes)) {
-    for (std::size_t r = r0; r < r1; ++r)
-      for (std::size_t t = 0; t < m; t += T) {
-        const std::size_t tn = std::min(T, m - t);
-        detail::kBf16DotTiles[tn - 1](reinterpret_cast<const uint16_t*>(w.row(r)), ws, xb + t * xs, xs, n,
-                                      y + t * ys + r, ys);
-      }
-    return;
-  }
-  for (std::size_t r = r0; r < r1; r += R) {  // R rows (16 KiB at n = 2048) stay in L1 for every token tile
-    const std::size_t rn = std::min(R, r1 - r);
+  // weights take one row a tile: one stream through the rows, every token tile over the row while it is
+  // in L1. With four rows a tile, four streams: 0.63-0.76 of the triad for one token, against 0.93-0.98
+  // with one; 2, 4 and 8 tokens 1.35x, 1.48x and 1.11x the GB/s (means, pp_bench MatmulFew,
+  // docs/PERFORMANCE.md). Larger x tiles (3+ tokens against 4096 columns, 2+ against the 8192-wide down
+  // projection) and more tokens keep four rows a tile: each x vector read serves four rows. One token
+  // always takes one stream.
+  const bool one_stream =
+      m == 1 || (m <= 2 * T && std::min(m, T) * n * sizeof(uint16_t) <= detail::kOneStreamXBytes);
+  const std::size_t rows_per_tile = one_stream ? 1 : R;  // R rows: 16 KiB at n = 2048, in L1 for every token tile
+  for (std::size_t r = r0; r < r1; r += rows_per_tile) {
+    const std::size_t rn = std::min(rows_per_tile, r1 - r);
     const auto* wr = reinterpret_cast<const uint16_t*>(w.row(r));
     for (std::size_t t = 0; t < m; t += T) {
       const std::size_t tn = std::min(T, m - t);
