@@ -126,6 +126,24 @@ TEST(CutPlan, InProportionToSpeedWithTheOutputOnTheLastStage) {
       << text;
 }
 
+TEST(CutPlan, ProbeRoundsCompareTheStagesWithinEachRound) {
+  using pp::node::combine_probe_rounds;
+  // The host slows down and speeds up between rounds; stage 1 is 1.5x stage 0 within every round.
+  auto t = combine_probe_rounds({{100, 150}, {200, 300}, {120, 180}});
+  EXPECT_DOUBLE_EQ(t[0], 100);
+  EXPECT_DOUBLE_EQ(t[1], 150);
+  // One round with stage 1 disturbed (2.5x) is outvoted by the two that agree.
+  t = combine_probe_rounds({{100, 100}, {125, 120}, {100, 250}});
+  EXPECT_DOUBLE_EQ(t[0], 100);
+  EXPECT_NEAR(t[1], 100, 1e-9);
+  // Three stages: each compared with stage 0; two rounds take the mean of the two ratios.
+  t = combine_probe_rounds({{100, 200, 50}, {100, 300, 50}});
+  EXPECT_DOUBLE_EQ(t[1], 250);
+  EXPECT_DOUBLE_EQ(t[2], 50);
+  EXPECT_THROW(combine_probe_rounds({}), pp::Error);
+  EXPECT_THROW(combine_probe_rounds({{100, 200}, {100}}), pp::Error);
+}
+
 TEST(CutPlan, ASplitThatCannotFitIsRefusedNamingTheStageAndTheShortfall) {
   // 16 layers of 120 MiB + 8 x 16 MiB of KV each, 500 MiB of output: 4.4 GiB; two stages with 2 GiB each hold at
   // most 2 x 0.9 x 2 GiB = 3.6 GiB.

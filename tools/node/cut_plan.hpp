@@ -1,8 +1,8 @@
 // `--cuts auto`: layer ranges in proportion to each stage's measured speed, within each stage's free memory.
 //
-// Every stage runs one decoder layer on one row, twice in turn (net::measure_probe; workers answer PROBE
-// with it), and its better time counts. A stage's time per token is modelled as layers x its layer time,
-// plus, on the last stage, the output
+// Every stage runs one decoder layer on one row (net::measure_probe; workers answer PROBE with it), all
+// stages in turn, kProbeRounds times; combine_probe_rounds compares the stages within each round. A
+// stage's time per token is modelled as layers x its layer time, plus, on the last stage, the output
 // projection, costed as a layer scaled by its share of weight bytes (both are memory-bound reads). Layers
 // are handed out one at a time to the stage whose time grows least, so the slowest stage's time is as
 // small as the split allows; a stage never gets more layers than 90% of its free memory holds (weights
@@ -34,6 +34,33 @@ struct CutPlan {
   std::vector<uint64_t> weights;  // bytes of weights per stage (its layers; the embedding on the first, the output on the last)
   std::vector<uint64_t> kv;       // bytes of KV caches per stage (`sessions` sessions at the probe's ctx)
 };
+
+// Rounds of probes `--cuts auto` takes: all stages in turn, then again.
+inline constexpr std::size_t kProbeRounds = 3;
+
+// Each stage's layer time from rounds of probes (us[round][stage], microseconds). A machine's memory speed
+// drifts by tens of percent over seconds (other tenants of a VM host: two identical cores of one host, each
+// at its best of two rounds, timed 3.1 and 4.2 ms a layer, then served at about the same speed per byte), and
+// what the split needs is how the stages compare. So stage 0 keeps its best time, and every other stage gets
+// that time x its median ratio to stage 0 within a round: a drift shared by the stages cancels within the
+// round, and one outlying round is outvoted.
+inline std::vector<double> combine_probe_rounds(const std::vector<std::vector<double>>& us) {
+  if (us.empty() || us[0].empty()) throw Error("--cuts auto: no probe rounds");
+  const std::size_t S = us[0].size();
+  for (const auto& round : us)
+    if (round.size() != S) throw Error("--cuts auto: probe rounds of different sizes");
+  std::vector<double> out(S);
+  out[0] = us[0][0];
+  for (const auto& round : us) out[0] = std::min(out[0], round[0]);
+  for (std::size_t i = 1; i < S; ++i) {
+    std::vector<double> ratio;
+    for (const auto& round : us) ratio.push_back(round[i] / round[0]);
+    std::sort(ratio.begin(), ratio.end());
+    const std::size_t n = ratio.size();
+    out[i] = out[0] * (n % 2 ? ratio[n / 2] : 0.5 * (ratio[n / 2 - 1] + ratio[n / 2]));
+  }
+  return out;
+}
 
 inline double head_ms(const net::ProbeReport& r) {
   return r.layer_bytes ? r.layer_us * 1e-3 * double(r.head_bytes) / double(r.layer_bytes) : 0.0;
@@ -97,7 +124,8 @@ inline std::string plan_text(const std::vector<StageProbe>& stages, const CutPla
     std::snprintf(b, sizeof b, "%.*f", d, v);
     return std::string(b);
   };
-  std::string s = "cut plan (--cuts auto): one decoder layer timed on one row on every stage (best of two rounds)\n";
+  std::string s = "cut plan (--cuts auto): one decoder layer timed on one row on every stage (" +
+                  std::to_string(kProbeRounds) + " rounds, compared within each)\n";
   int lo = 0;
   for (std::size_t i = 0; i < stages.size(); ++i) {
     const net::ProbeReport& r = stages[i].report;

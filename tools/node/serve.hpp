@@ -65,13 +65,15 @@ inline std::vector<int> auto_cuts(const ModelRunOptions& run, int n_layer, uint3
   };
   std::cout << "probing stages for --cuts auto ..." << std::endl;
   std::vector<StageProbe> stages;
-  for (std::size_t i = 0; i <= run.workers.size(); ++i)
+  std::vector<std::vector<double>> us(kProbeRounds);
+  for (std::size_t i = 0; i <= run.workers.size(); ++i) {
     stages.push_back(StageProbe{i == 0 ? "coordinator" : run.workers[i - 1].str(), probe(i)});
-  // Every stage once more, in the same order: a machine's memory speed drifts by tens of percent over
-  // seconds (other tenants of a VM host), and the stages are compared with each other, so each at its
-  // best of the two.
-  for (std::size_t i = 0; i < stages.size(); ++i)
-    stages[i].report.layer_us = std::min(stages[i].report.layer_us, probe(i).layer_us);
+    us[0].push_back(stages.back().report.layer_us);
+  }
+  for (std::size_t round = 1; round < kProbeRounds; ++round)
+    for (std::size_t i = 0; i < stages.size(); ++i) us[round].push_back(probe(i).layer_us);
+  const std::vector<double> layer_us = combine_probe_rounds(us);
+  for (std::size_t i = 0; i < stages.size(); ++i) stages[i].report.layer_us = layer_us[i];
   const CutPlan plan = plan_cuts(stages, n_layer, sessions);
   std::cout << plan_text(stages, plan) << std::flush;
   return plan.cuts;
