@@ -53,6 +53,28 @@ TEST(CpuFeatures, MissingForBuildNamesWhatTheBuildUses) {
   }
 }
 
+// cpu::prefetch_bytes: none on Zen 4 (AMD family 0x19 with AVX-512), a page ahead elsewhere (Zen 3, Zen 5,
+// Intel, AArch64); PP_PREFETCH_BYTES overrides with a multiple of 64 up to 64 KiB and is ignored otherwise.
+TEST(CpuFeatures, PrefetchDistanceByCpuAndOverride) {
+  pp::cpu::Features zen4, zen3, zen5, intel;
+  zen4.amd = zen3.amd = zen5.amd = true;
+  zen4.family = zen3.family = 0x19;
+  zen5.family = 0x1a;
+  intel.family = 6;
+  zen4.avx512f = zen5.avx512f = intel.avx512f = true;
+  EXPECT_EQ(pp::cpu::prefetch_bytes(zen4, nullptr), 0u);
+  EXPECT_EQ(pp::cpu::prefetch_bytes(zen3, nullptr), 4096u);
+  EXPECT_EQ(pp::cpu::prefetch_bytes(zen5, nullptr), 4096u);
+  EXPECT_EQ(pp::cpu::prefetch_bytes(intel, ""), 4096u);
+  EXPECT_EQ(pp::cpu::prefetch_bytes(zen4, "2048"), 2048u);
+  EXPECT_EQ(pp::cpu::prefetch_bytes(intel, "0"), 0u);
+  EXPECT_EQ(pp::cpu::prefetch_bytes(intel, "65536"), 65536u);
+  for (const char* bad : {"100", "-64", "65600", "4k", " 64", "99999999999999999999999"})
+    EXPECT_EQ(pp::cpu::prefetch_bytes(zen4, bad), 0u) << bad;
+  const pp::cpu::Features& here = pp::cpu::features();
+  EXPECT_EQ(pp::simd::kPrefetchBytes, pp::cpu::prefetch_bytes(here, std::getenv("PP_PREFETCH_BYTES")));
+}
+
 TEST(Float16, Bf16RoundTripAndRounding) {
   for (uint32_t h = 0; h < 65536; ++h) {
     const float f = pp::bf16_to_f32(uint16_t(h));
@@ -230,6 +252,36 @@ namespace {
 // Through pp::kernels::matmul for bulk rows: on AMX machines BF16/F16 weights run on tiles (32-row
 // blocks) with the remaining rows on the AVX path; both must match the oracle and be independent of
 // batch and threads.
+// Decode steps over rows longer than kDecodeTileMinCols take several rows a tile (matmul.hpp): each row's
+// result is bit-identical to the one-row tiles of three tokens and of a split row range, and within f32
+// rounding of the oracle, on every type and architecture, with odd row counts and ragged column tails.
+TEST(Matmul, LongRowDecodeTilesEqualOneRowTiles) {
+  std::mt19937 rng(23);
+  constexpr std::size_t kLong = pp::kernels::kDecodeTileMinCols;
+  for (pp::DType t : {pp::DType::F32, pp::DType::F16, pp::DType::BF16})
+    for (std::size_t cols : {kLong + 1, kLong + 70, 2 * kLong}) {
+      const std::size_t rows = 23;
+      const Stored w = store(t, randv(rows * cols, rng));
+      const std::vector<float> x = randv(3 * cols, rng);
+      pp::MatView mv{t, w.bytes.data(), rows, cols, pp::row_bytes(t, cols)};
+      const pp::test::Dots o = pp::test::dots(w.values, x, 1, rows, cols);
+      for_each_arch([&](auto a) {
+        using A = decltype(a);
+        std::vector<float> y1(rows, NAN), y3(3 * rows, NAN), ysplit(rows, NAN);
+        pp::kernels::matmul_rows<A>(mv, x.data(), 1, y1.data(), 0, rows);
+        pp::kernels::matmul_rows<A>(mv, x.data(), 3, y3.data(), 0, rows);
+        pp::kernels::matmul_rows<A>(mv, x.data(), 1, ysplit.data(), 0, 5);
+        pp::kernels::matmul_rows<A>(mv, x.data(), 1, ysplit.data(), 5, rows);
+        for (std::size_t r = 0; r < rows; ++r) {
+          ASSERT_EQ(std::bit_cast<uint32_t>(y1[r]), std::bit_cast<uint32_t>(y3[r]))
+              << A::name() << " " << pp::dtype_name(t) << " cols " << cols << " row " << r;
+          ASSERT_EQ(std::bit_cast<uint32_t>(y1[r]), std::bit_cast<uint32_t>(ysplit[r])) << A::name() << " row " << r;
+          ASSERT_NEAR(y1[r], o.want(0, r), 1e-6 * o.mag(0, r) + 1e-30) << A::name() << " " << pp::dtype_name(t);
+        }
+      });
+    }
+}
+
 TEST(Matmul, DispatchedHalfPathsMatchOracleAndAreBatchInvariant) {
   std::printf("AMX %s\n", pp::kernels::amx::available() ? "available: tiles in use for BF16/F16" : "not available");
   std::mt19937 rng(11);

@@ -27,37 +27,56 @@
 
 namespace pp::kernels {
 
-// y[t * y_stride] = dot(w[0, n), x[t * x_stride + (0, n)]) for t < NT tokens.
-template <class A, class WT, int NT>
-inline void dot_tile(const typename WT::storage* w, const float* x, std::size_t x_stride, std::size_t n,
-                     float* y, std::size_t y_stride) {
+// y[t * ys + r] = dot(w[r * ws + (0, n)], x[t * xs + (0, n)]) for r < NR rows, t < NT tokens. Each (row,
+// token) pair sums K chains of W-lane steps in the same order whatever NR and NT are, so a row's result
+// does not depend on the tile it was computed in. Several rows a tile (decode steps, NT = 1) load each
+// slice of x once for all of them: a row of 8192 has 32 KiB of f32 activations, a whole L1, which one row
+// at a time would fetch again from L2 for every row (2048 x 8192 streamed at 18 GB/s one row a time
+// against 42 for 8192 x 2048 on Zen 4, see docs/PERFORMANCE.md).
+template <class A, class WT, int NR, int NT>
+inline void dot_tile(const typename WT::storage* w, std::size_t ws, const float* x, std::size_t xs, std::size_t n,
+                     float* y, std::size_t ys) {
   using B = simd::fbatch<A>;
   constexpr std::size_t W = B::size;
   constexpr int K = simd::kWeightAccumulators<A, WT>;
-  B acc[NT][K];
-  for (int t = 0; t < NT; ++t)
-    for (int k = 0; k < K; ++k) acc[t][k] = B(0.f);
+  B acc[NR][NT][K];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t)
+      for (int k = 0; k < K; ++k) acc[r][t][k] = B(0.f);
   std::size_t i = 0;
   for (; i + K * W <= n; i += K * W) {
-    simd::prefetch_ahead(w + i, K * W * sizeof(*w));
+    for (int r = 0; r < NR; ++r) simd::prefetch_ahead(w + r * ws + i, K * W * sizeof(*w));
     for (int k = 0; k < K; ++k) {
-      const B wk = simd::load<A>(WT{}, w + i + k * W);
-      for (int t = 0; t < NT; ++t)
-        acc[t][k] = simd::fma(wk, B::load_unaligned(x + t * x_stride + i + k * W), acc[t][k]);
+      B xk[NT];
+      for (int t = 0; t < NT; ++t) xk[t] = B::load_unaligned(x + t * xs + i + k * W);
+      for (int r = 0; r < NR; ++r) {
+        const B wk = simd::load<A>(WT{}, w + r * ws + i + k * W);
+        for (int t = 0; t < NT; ++t) acc[r][t][k] = simd::fma(wk, xk[t], acc[r][t][k]);
+      }
     }
   }
-  for (; i + W <= n; i += W) {
-    const B wk = simd::load<A>(WT{}, w + i);
-    for (int t = 0; t < NT; ++t) acc[t][0] = simd::fma(wk, B::load_unaligned(x + t * x_stride + i), acc[t][0]);
-  }
-  for (int t = 0; t < NT; ++t) {
-    B s = acc[t][0];
-    for (int k = 1; k < K; ++k) s += acc[t][k];
-    float r = xsimd::hadd(s);
-    for (std::size_t j = i; j < n; ++j) r += simd::load1(WT{}, w + j) * x[t * x_stride + j];
-    y[t * y_stride] = r;
-  }
+  for (; i + W <= n; i += W)
+    for (int r = 0; r < NR; ++r) {
+      const B wk = simd::load<A>(WT{}, w + r * ws + i);
+      for (int t = 0; t < NT; ++t) acc[r][t][0] = simd::fma(wk, B::load_unaligned(x + t * xs + i), acc[r][t][0]);
+    }
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < NT; ++t) {
+      B s = acc[r][t][0];
+      for (int k = 1; k < K; ++k) s += acc[r][t][k];
+      float v = xsimd::hadd(s);
+      for (std::size_t j = i; j < n; ++j) v += simd::load1(WT{}, w + r * ws + j) * x[t * xs + j];
+      y[t * ys + r] = v;
+    }
 }
+
+// A decode step (one token) over long rows takes four rows a tile, whose 4 x K accumulators fit the
+// registers of every target; rows of at most kDecodeTileMinCols (16 KiB of activations, half an L1) go one
+// at a time, which streams them faster. Measured on Zen 4, F16 decode at 1 thread (docs/PERFORMANCE.md,
+// "Long rows in decode"): four-row tiles on every matrix 9.5 -> 7.7 tok/s, on the down projection (8192
+// columns) only 9.5 -> 11.2; two-row tiles there 10.3.
+inline constexpr int kDecodeTileRows = 4;
+inline constexpr std::size_t kDecodeTileMinCols = 4096;
 
 // y[m, w.rows] (rows [r0, r1) only) = x[m, w.cols] * w^T.
 template <class A, class WT>
@@ -65,20 +84,25 @@ inline void matmul_rows_typed(const MatView& w, const float* x, std::size_t m, f
                               std::size_t r1) {
   using S = typename WT::storage;
   const std::size_t n = w.cols, ys = w.rows;
+  assert(w.row_stride % sizeof(S) == 0);
+  const std::size_t ws = w.row_stride / sizeof(S);
+  const auto row = [&](std::size_t r) { return reinterpret_cast<const S*>(w.row(r)); };
   // A block of weight rows stays in cache while every token tile passes over it.
   constexpr std::size_t kRowBlock = 16;
   for (std::size_t rb = r0; rb < r1; rb += kRowBlock) {
     const std::size_t re = std::min(rb + kRowBlock, r1);
     std::size_t t = 0;
     for (; t + 4 <= m; t += 4)
-      for (std::size_t r = rb; r < re; ++r)
-        dot_tile<A, WT, 4>(reinterpret_cast<const S*>(w.row(r)), x + t * n, n, n, y + t * ys + r, ys);
-    for (std::size_t r = rb; r < re; ++r) {
-      const S* wr = reinterpret_cast<const S*>(w.row(r));
+      for (std::size_t r = rb; r < re; ++r) dot_tile<A, WT, 1, 4>(row(r), ws, x + t * n, n, n, y + t * ys + r, ys);
+    std::size_t r = rb;
+    if (m - t == 1 && n > kDecodeTileMinCols)
+      for (; r + kDecodeTileRows <= re; r += kDecodeTileRows)
+        dot_tile<A, WT, kDecodeTileRows, 1>(row(r), ws, x + t * n, n, n, y + t * ys + r, ys);
+    for (; r < re; ++r) {
       switch (m - t) {
-        case 3: dot_tile<A, WT, 3>(wr, x + t * n, n, n, y + t * ys + r, ys); break;
-        case 2: dot_tile<A, WT, 2>(wr, x + t * n, n, n, y + t * ys + r, ys); break;
-        case 1: dot_tile<A, WT, 1>(wr, x + t * n, n, n, y + t * ys + r, ys); break;
+        case 3: dot_tile<A, WT, 1, 3>(row(r), ws, x + t * n, n, n, y + t * ys + r, ys); break;
+        case 2: dot_tile<A, WT, 1, 2>(row(r), ws, x + t * n, n, n, y + t * ys + r, ys); break;
+        case 1: dot_tile<A, WT, 1, 1>(row(r), ws, x + t * n, n, n, y + t * ys + r, ys); break;
         default: break;
       }
     }

@@ -8,6 +8,7 @@
 // -march=armv8.2-a+dotprod) and widening multiplies otherwise, with the same int32 lanes either way.
 #pragma once
 
+#include <pp/core/cpu_features.hpp>
 #include <pp/core/float16.hpp>
 
 #include <cstddef>
@@ -372,13 +373,15 @@ inline constexpr int kWeightAccumulators = std::is_same_v<WT, F16w> ? 2 : kAccum
 
 // Weight rows lie end to end and are read once per token: fetching a fixed distance ahead of the read
 // keeps one stream going across rows and pages (the hardware prefetcher stops at each 4 KiB page, and
-// a bf16 row of 2048 is exactly one). Worth about 15% of a core's bandwidth here. One page ahead:
-// 2048 left Zen 5 decode 6-12% below 4096 for every weight type; 8192 was no better (docs/PERFORMANCE.md).
-inline constexpr std::size_t kPrefetchBytes = 4096;
+// a bf16 row of 2048 is exactly one). How far, or whether at all, depends on the CPU
+// (cpu::prefetch_bytes: a page ahead, none on Zen 4); read once, before main.
+inline const std::size_t kPrefetchBytes = cpu::prefetch_bytes();
 
-// Prefetches the cache lines of [p, p + bytes) kPrefetchBytes ahead.
+// Prefetches the cache lines of [p, p + bytes) kPrefetchBytes ahead (nothing where that is 0).
 inline void prefetch_ahead(const void* p, std::size_t bytes) {
-  for (std::size_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b + kPrefetchBytes);
+  const std::size_t ahead = kPrefetchBytes;
+  if (ahead == 0) return;
+  for (std::size_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b + ahead);
 }
 
 // One f16 block scale to f32 (F16C's single-instruction form where compiled in; same value).
