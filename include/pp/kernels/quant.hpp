@@ -138,11 +138,14 @@ inline void dot_fast(const Block* w, std::size_t n, const uint8_t* xq, std::size
   using F = fb<IA>;
   using I = ib<IA>;
   using Q = simd::Bytes32<A>;
-  F acc[NT];
+  // Two chains a token, even and odd blocks: one FMA a block on a single chain waits for the last, which
+  // held a decode step below the memory's rate (docs/PERFORMANCE.md, "Quantized weights").
+  F acc[NT][2];
   float mins[NT];
   const ActQ8* a[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = F(0.f), mins[t] = 0.f, a[t] = reinterpret_cast<const ActQ8*>(xq + t * xqs);
-  for (std::size_t i = 0; i < n / 32; ++i) {
+  for (int t = 0; t < NT; ++t)
+    acc[t][0] = acc[t][1] = F(0.f), mins[t] = 0.f, a[t] = reinterpret_cast<const ActQ8*>(xq + t * xqs);
+  const auto block = [&]<int K>(std::size_t i) {
     const Block& b = w[i];
     simd::prefetch_ahead(&b, sizeof(Block));
     const Q q = codes<A>(b);
@@ -151,11 +154,15 @@ inline void dot_fast(const Block* w, std::size_t n, const uint8_t* xq, std::size
       const ActQ8& x = a[t][i];
       const Q s = Q::load(x.qs);
       const I p = kHasMin<Block> ? simd::dot_us<A>(I(0), q, s) : simd::dot_ss<A>(I(0), q, s);
-      acc[t] = simd::fma(xsimd::to_float(p), F(d * x.d), acc[t]);
+      acc[t][K] = simd::fma(xsimd::to_float(p), F(d * x.d), acc[t][K]);
       if constexpr (kHasMin<Block>) mins[t] += h2f(b.m) * x.s;
     }
-  }
-  for (int t = 0; t < NT; ++t) y[t * ys] = xsimd::hadd(acc[t]) + mins[t];
+  };
+  const std::size_t nb = n / 32;
+  std::size_t i = 0;
+  for (; i + 2 <= nb; i += 2) block.template operator()<0>(i), block.template operator()<1>(i + 1);
+  if (i < nb) block.template operator()<0>(i);
+  for (int t = 0; t < NT; ++t) y[t * ys] = xsimd::hadd(acc[t][0] + acc[t][1]) + mins[t];
 }
 
 #if XSIMD_WITH_AVX512BW

@@ -367,9 +367,14 @@ inline constexpr int kAccumulators = fbatch<A>::size >= 16 ? 4 : 2;
 
 // Accumulators per token of the float-weight dot kernels, by weight type. F16 rows stream faster from
 // memory with two 16-lane chains than with four (one cache line an iteration; pp_bench decode, see
-// docs/PERFORMANCE.md); BF16 measured the same either way and keeps four, as F32 does.
+// docs/PERFORMANCE.md); BF16 measured the same either way and keeps four, as F32 does. On 8-lane
+// registers (AVX2) three: with two, each FMA waiting for the last held a core to 32 bytes of BF16 / F16
+// per FMA latency, below the memory's rate; four make a 4-token tile 16 accumulators in AVX2's 16
+// registers, spilled. Zen 5 as AVX2, one token streamed from memory (BM_MatmulFew): BF16 24 -> 38 GB/s,
+// F16 30 -> 38, four tokens unchanged (docs/PERFORMANCE.md, "The same host as an AVX2-only CPU").
 template <class A, class WT>
-inline constexpr int kWeightAccumulators = std::is_same_v<WT, F16w> ? 2 : kAccumulators<A>;
+inline constexpr int kWeightAccumulators =
+    fbatch<A>::size >= 16 ? (std::is_same_v<WT, F16w> ? 2 : 4) : fbatch<A>::size == 8 ? 3 : kAccumulators<A>;
 
 // Weight rows lie end to end and are read once per token: fetching a fixed distance ahead of the read
 // keeps one stream going across rows and pages (the hardware prefetcher stops at each 4 KiB page, and
