@@ -249,9 +249,6 @@ TEST(ThreadPool, CoversEveryIndexOnce) {
 }  // namespace
 
 namespace {
-// Through pp::kernels::matmul for bulk rows: on AMX machines BF16/F16 weights run on tiles (32-row
-// blocks) with the remaining rows on the AVX path; both must match the oracle and be independent of
-// batch and threads.
 // Decode steps over rows longer than kDecodeTileMinCols take several rows a tile (matmul.hpp): each row's
 // result is bit-identical to the one-row tiles of three tokens and of a split row range, and within f32
 // rounding of the oracle, on every type and architecture, with odd row counts and ragged column tails.
@@ -282,6 +279,9 @@ TEST(Matmul, LongRowDecodeTilesEqualOneRowTiles) {
     }
 }
 
+// Through pp::kernels::matmul for bulk rows: on AMX machines BF16/F16 weights run on tiles (32-row
+// blocks) with the remaining rows on the AVX path; both must match the oracle and be independent of
+// batch and threads.
 TEST(Matmul, DispatchedHalfPathsMatchOracleAndAreBatchInvariant) {
   std::printf("AMX %s\n", pp::kernels::amx::available() ? "available: tiles in use for BF16/F16" : "not available");
   std::mt19937 rng(11);

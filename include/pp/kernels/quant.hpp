@@ -139,7 +139,8 @@ inline void dot_fast(const Block* w, std::size_t n, const uint8_t* xq, std::size
   using I = ib<IA>;
   using Q = simd::Bytes32<A>;
   // Two chains a token, even and odd blocks: one FMA a block on a single chain waits for the last, which
-  // held a decode step below the memory's rate (docs/PERFORMANCE.md, "Quantized weights").
+  // held a decode step below the memory's rate (Q8_0 on AVX2: docs/PERFORMANCE.md, "The same host as an
+  // AVX2-only CPU").
   F acc[NT][2];
   float mins[NT];
   const ActQ8* a[NT];
@@ -305,36 +306,31 @@ inline void dot_q8_0(const BlockQ8_0* w, std::size_t n, const uint8_t* xq, std::
   __m512 acc[NT];
   const ActQ8* a[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps(), a[t] = reinterpret_cast<const ActQ8*>(xq + t * xqs);
-  const std::size_t nb = n / 32;
-  std::size_t i = 0;
-  for (; i + 2 <= nb; i += 2) {
-    simd::prefetch_ahead(w + i, 2 * sizeof(BlockQ8_0));
-    const __m512i q = pair(w[i].qs, w[i + 1].qs);
+  // Blocks i and i + 1, or block i alone (Two = false: the high half zero, its scale 0).
+  const auto step = [&]<bool Two>(std::size_t i) {
+    const auto codes = [&](const int8_t* lo, const int8_t* hi) {
+      return Two ? pair(lo, hi) : _mm512_zextsi256_si512(ld(lo));
+    };
+    const __m512i q = codes(w[i].qs, w[i + Two].qs);
     const __m512i u = _mm512_abs_epi8(q);
     const __mmask64 neg = _mm512_movepi8_mask(q);
-    const float d0 = h2f(w[i].d), d1 = h2f(w[i + 1].d);
+    const float d0 = h2f(w[i].d), d1 = Two ? h2f(w[i + 1].d) : 0.f;
     for (int t = 0; t < NT; ++t) {
       const ActQ8& x0 = a[t][i];
-      const ActQ8& x1 = a[t][i + 1];
-      const __m512i s = pair(x0.qs, x1.qs);
+      const ActQ8& x1 = a[t][i + Two];
+      const __m512i s = codes(x0.qs, x1.qs);
       const __m512i p = dot(u, _mm512_mask_sub_epi8(s, neg, _mm512_setzero_si512(), s));
       const __m512 sc = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(d0 * x0.d), _mm512_set1_ps(d1 * x1.d));
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc[t]);
     }
+  };
+  const std::size_t nb = n / 32;
+  std::size_t i = 0;
+  for (; i + 2 <= nb; i += 2) {
+    simd::prefetch_ahead(w + i, 2 * sizeof(BlockQ8_0));
+    step.template operator()<true>(i);
   }
-  if (i < nb) {
-    const __m512i q = _mm512_zextsi256_si512(ld(w[i].qs));
-    const __m512i u = _mm512_abs_epi8(q);
-    const __mmask64 neg = _mm512_movepi8_mask(q);
-    const float d0 = h2f(w[i].d);
-    for (int t = 0; t < NT; ++t) {
-      const ActQ8& x0 = a[t][i];
-      const __m512i s = _mm512_zextsi256_si512(ld(x0.qs));
-      const __m512i p = dot(u, _mm512_mask_sub_epi8(s, neg, _mm512_setzero_si512(), s));
-      const __m512 sc = _mm512_maskz_mov_ps(0x00ff, _mm512_set1_ps(d0 * x0.d));
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc[t]);
-    }
-  }
+  if (i < nb) step.template operator()<false>(i);
   for (int t = 0; t < NT; ++t) y[t * ys] = reduce(acc[t]);
 }
 }  // namespace k512

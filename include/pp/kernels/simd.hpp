@@ -384,9 +384,8 @@ inline const std::size_t kPrefetchBytes = cpu::prefetch_bytes();
 
 // Prefetches the cache lines of [p, p + bytes) kPrefetchBytes ahead (nothing where that is 0).
 inline void prefetch_ahead(const void* p, std::size_t bytes) {
-  const std::size_t ahead = kPrefetchBytes;
-  if (ahead == 0) return;
-  for (std::size_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b + ahead);
+  if (kPrefetchBytes == 0) return;
+  for (std::size_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b + kPrefetchBytes);
 }
 
 // One f16 block scale to f32 (F16C's single-instruction form where compiled in; same value).
