@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 namespace pp::quant {
 
@@ -166,6 +167,49 @@ inline void dot_fast(const Block* w, std::size_t n, const uint8_t* xq, std::size
   for (int t = 0; t < NT; ++t) y[t * ys] = xsimd::hadd(acc[t][0] + acc[t][1]) + mins[t];
 }
 
+#if XSIMD_WITH_AVX2
+// A Q4_K / Q5_K block's 8 scales and 8 mins (12 bytes of 6-bit fields, unpacked as scales_mins_k4 does it,
+// in four dwords: scales 0-3, 4-7, mins 0-3, 4-7) as bytes 0-7 and 8-15 of a register, without leaving the
+// vector registers: about 10 instructions against some 25 through bytes in memory. Reads 16 bytes from
+// `q`, still in the block: 4 bytes of codes (Q5_K: high bits) follow its scales.
+inline __m128i scales_mins_k4(const uint8_t* q) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));  // dwords a, b, c
+  const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x3f));                 // a & 0x3f.., b & 0x3f..
+  const __m128i c = _mm_srlv_epi32(_mm_shuffle_epi32(v, 0xaa), _mm_setr_epi32(0, 4, 0, 0));  // c, c >> 4
+  const __m128i hi = _mm_or_si128(_mm_and_si128(c, _mm_set1_epi8(0x0f)),
+                                  _mm_and_si128(_mm_srli_epi32(v, 2), _mm_set1_epi8(0x30)));
+  return _mm_unpacklo_epi32(lo, hi);
+}
+#endif
+
+// A Q4_K / Q5_K block's scales as groups_of(pairs) gives them and its mins in lanes 2j and 2j + 1
+// (sub-block j), for arch A's dot_us_scaled and madd.
+template <class G, class S>
+struct K4ScalesMins {
+  G groups;
+  S mins;
+};
+template <class A>
+inline auto k4_scales_mins(const uint8_t* q) {
+  using S = simd::Shorts16<A>;
+  using G = std::remove_cvref_t<decltype(simd::groups_of(std::declval<S>()))>;
+#if XSIMD_WITH_AVX2
+  if constexpr (std::is_same_v<S, simd::Shorts256>) {
+    const __m128i sm = scales_mins_k4(q);
+    const __m256i mins = _mm256_shuffle_epi8(  // word k of each half = byte 8 + k / 2 (low half) or 12 + k / 2
+        _mm256_broadcastsi128_si256(sm),
+        _mm256_set_epi8(-1, 15, -1, 15, -1, 14, -1, 14, -1, 13, -1, 13, -1, 12, -1, 12,  //
+                        -1, 11, -1, 11, -1, 10, -1, 10, -1, 9, -1, 9, -1, 8, -1, 8));
+    return K4ScalesMins<G, S>{G::of_u8(sm), S{mins}};
+  } else
+#endif
+  {
+    uint8_t sc[8], mn[8];
+    scales_mins_k4(q, sc, mn);
+    return K4ScalesMins<G, S>{simd::groups_of(S::pairs_u8(sc)), S::pairs_u8(mn)};
+  }
+}
+
 #if XSIMD_WITH_AVX512BW
 // The K-quants on AVX-512BW: 64 codes a register, two sub-blocks (Q4_K / Q5_K) or four 16-groups (Q6_K)
 // at once, against the activation bytes as Q8_K stores them (no shuffle on that side). The int16 pair
@@ -190,11 +234,13 @@ inline __m512i halves(const uint8_t* p32, int lo_shift, int hi_shift) {
 }
 // Lane-index vectors for vpermw: lane i of kPick[c] = 4c + i / 8 (Q6_K's 16-groups of a 64-element
 // chunk c) and, read as 2c + i / 16, the two sub-blocks of Q4_K's chunk c.
+// kPick.mins: lanes 2j and 2j + 1 = 8 + j (Q4_K's min j, after its 8 scales).
 struct alignas(64) PickTable {
-  int16_t k6[4][32], k4[4][32];
-  constexpr PickTable() : k6{}, k4{} {
+  int16_t k6[4][32], k4[4][32], mins[32];
+  constexpr PickTable() : k6{}, k4{}, mins{} {
     for (int c = 0; c < 4; ++c)
       for (int i = 0; i < 32; ++i) k6[c][i] = int16_t(4 * c + i / 8), k4[c][i] = int16_t(2 * c + i / 16);
+    for (int i = 0; i < 32; ++i) mins[i] = int16_t(8 + i / 2 % 8);
   }
 };
 inline constexpr PickTable kPick{};
@@ -219,11 +265,8 @@ inline void dot_k4(const Block* w, std::size_t n, const uint8_t* xq, std::size_t
   for (std::size_t i = 0; i < n / 256; ++i) {
     const Block& b = w[i];
     simd::prefetch_ahead(&b, sizeof(Block));
-    uint8_t sc[8], mn[8];
-    scales_mins_k4(b.scales, sc, mn);
-    const __m512i scw = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
-    const __m128i mw = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
-    const __m256i mins = _mm256_set_m128i(_mm_unpackhi_epi16(mw, mw), _mm_unpacklo_epi16(mw, mw));  // lanes 2j, 2j+1
+    const __m512i scw = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(scales_mins_k4(b.scales)));
+    const __m256i mins = _mm512_castsi512_si256(pick(kPick.mins, scw));  // lanes 2j, 2j + 1: min j
     __m512i u[4], scale[4];
     for (int c = 0; c < 4; ++c) {  // elements 64c ..: sub-block 2c in the low half, 2c + 1 in the high
       u[c] = _mm512_and_si512(halves(b.qs + 32 * c, 0, 4), m4);
@@ -235,14 +278,17 @@ inline void dot_k4(const Block* w, std::size_t n, const uint8_t* xq, std::size_t
       }
       scale[c] = pick(kPick.k4[c], scw);
     }
-    const float d = h2f(b.d), dmin = h2f(b.dmin);
+    uint32_t d_dmin;  // d and dmin, adjacent f16, to lanes 0 and 1 in one conversion
+    std::memcpy(&d_dmin, &b.d, 4);
+    const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(int(d_dmin)));
     for (int t = 0; t < NT; ++t) {
       const BlockQ8_K& x = a[t][i];
-      __m512i p = _mm512_setzero_si512();
-      for (int c = 0; c < 4; ++c) p = dot_scaled(p, u[c], _mm512_loadu_si512(x.qs + 64 * c), scale[c]);
+      __m512i p = _mm512_madd_epi16(_mm512_maddubs_epi16(u[0], _mm512_loadu_si512(x.qs)), scale[0]);
+      for (int c = 1; c < 4; ++c) p = dot_scaled(p, u[c], _mm512_loadu_si512(x.qs + 64 * c), scale[c]);
       const __m256i m = _mm256_madd_epi16(mins, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsums)));
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(d * x.d), acc[t]);
-      accm[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(dmin * x.d), accm[t]);
+      const __m128 s = _mm_mul_ps(dd, _mm_set1_ps(x.d));  // d x.d, dmin x.d
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_broadcastss_ps(s), acc[t]);
+      accm[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_broadcastss_ps(_mm_movehdup_ps(s)), accm[t]);
     }
   }
   for (int t = 0; t < NT; ++t) y[t * ys] = reduce(acc[t]) - reduce(accm[t]);
@@ -355,28 +401,22 @@ inline void dot_fast(const Block* w, std::size_t n, const uint8_t* xq, std::size
   for (std::size_t i = 0; i < n / 256; ++i) {
     const Block& b = w[i];
     simd::prefetch_ahead(&b, sizeof(Block));
-    uint8_t sc[8], mn[8];
-    scales_mins_k4(b.scales, sc, mn);
-    const S scales = S::pairs_u8(sc), mins = S::pairs_u8(mn);  // lanes 2j, 2j + 1: sub-block j
-    S group[8];
-    Q u[8];
-    for (int p = 0; p < 4; ++p) {
-      u[2 * p] = Q::low_nibbles(b.qs + 32 * p);
-      u[2 * p + 1] = Q::high_nibbles(b.qs + 32 * p);
-      if constexpr (std::is_same_v<Block, BlockQ5_K>) {
-        u[2 * p] = u[2 * p] | Q::bit4_of_bytes(b.qh, 2 * p);
-        u[2 * p + 1] = u[2 * p + 1] | Q::bit4_of_bytes(b.qh, 2 * p + 1);
-      }
+    const auto [groups, mins] = k4_scales_mins<A>(b.scales);
+    // Sub-block by sub-block, every token: its codes and multipliers live only while they are used (all
+    // eight of a block held at once spilled to the stack on AVX2's 16 registers). Integer sums: any order.
+    I p[NT];
+    for (int t = 0; t < NT; ++t) p[t] = I(0);
+    for (int j = 0; j < 8; ++j) {
+      Q u = j % 2 == 0 ? Q::low_nibbles(b.qs + 32 * (j / 2)) : Q::high_nibbles(b.qs + 32 * (j / 2));
+      if constexpr (std::is_same_v<Block, BlockQ5_K>) u = u | Q::bit4_of_bytes(b.qh, j);
+      const S g = groups.group(j);
+      for (int t = 0; t < NT; ++t) p[t] = simd::dot_us_scaled<A>(p[t], u, Q::load(a[t][i].qs + 32 * j), g);
     }
-    const auto& groups = simd::groups_of(scales);
-    for (int j = 0; j < 8; ++j) group[j] = groups.group(j);
     const float d = h2f(b.d), dmin = h2f(b.dmin);
     for (int t = 0; t < NT; ++t) {
       const BlockQ8_K& x = a[t][i];
-      I p(0);
-      for (int j = 0; j < 8; ++j) p = simd::dot_us_scaled<A>(p, u[j], Q::load(x.qs + 32 * j), group[j]);
       const I m = simd::madd<A>(mins, S::load(x.bsums));  // bsums 2j and 2j + 1 cover sub-block j
-      acc[t] = simd::fma(xsimd::to_float(p), F(d * x.d), acc[t]);
+      acc[t] = simd::fma(xsimd::to_float(p[t]), F(d * x.d), acc[t]);
       accm[t] = simd::fma(xsimd::to_float(m), F(dmin * x.d), accm[t]);
     }
   }
@@ -403,22 +443,23 @@ inline void dot_fast(const Block* w, std::size_t n, const uint8_t* xq, std::size
     const BlockQ6_K& b = w[i];
     simd::prefetch_ahead(&b, sizeof(BlockQ6_K));
     const S scales = S::widen_i8(b.scales);  // lane g: elements [16g, 16g + 16)
-    S group[8];
-    Q u[8];  // u[4h + k]: elements 128h + 32k + (0..31), codes 0..63
-    for (int h = 0; h < 2; ++h)
-      for (int k = 0; k < 4; ++k) {
-        const uint8_t* ql = b.ql + 64 * h + 32 * (k & 1);
-        u[4 * h + k] = (k < 2 ? Q::low_nibbles(ql) : Q::high_nibbles(ql)) | Q::bits45_of_bytes(b.qh + 32 * h, 2 * k);
-      }
     const auto& groups = simd::groups_of(scales);
-    for (int g = 0; g < 8; ++g) group[g] = groups.group(g);
+    // 32-group by 32-group, every token (as Q4_K above: nothing spilled). u: elements 128h + 32k + (0..31)
+    // of group 4h + k, codes 0..63.
+    I p[NT];
+    for (int t = 0; t < NT; ++t) p[t] = I(0);
+    for (int g = 0; g < 8; ++g) {
+      const int h = g / 4, k = g % 4;
+      const uint8_t* ql = b.ql + 64 * h + 32 * (k & 1);
+      const Q u = (k < 2 ? Q::low_nibbles(ql) : Q::high_nibbles(ql)) | Q::bits45_of_bytes(b.qh + 32 * h, 2 * k);
+      const S sc = groups.group(g);
+      for (int t = 0; t < NT; ++t) p[t] = simd::dot_us_scaled<A>(p[t], u, Q::load(a[t][i].qs + 32 * g), sc);
+    }
     const float d = h2f(b.d);
     for (int t = 0; t < NT; ++t) {
       const BlockQ8_K& x = a[t][i];
-      I p(0);
-      for (int g = 0; g < 8; ++g) p = simd::dot_us_scaled<A>(p, u[g], Q::load(x.qs + 32 * g), group[g]);
       const I off = simd::madd<A>(scales, S::load(x.bsums));
-      acc[t] = simd::fma(xsimd::to_float(p), F(d * x.d), acc[t]);
+      acc[t] = simd::fma(xsimd::to_float(p[t]), F(d * x.d), acc[t]);
       acco[t] = simd::fma(xsimd::to_float(off), F(32.f * d * x.d), acco[t]);
     }
   }

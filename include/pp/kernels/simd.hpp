@@ -529,7 +529,14 @@ struct Shorts256Groups {
             _mm256_shuffle_epi8(s.v, _mm256_set_epi64x(0x0f0e0b0a07060302, 0x0d0c090805040100, 0x0f0e0b0a07060302,
                                                        0x0d0c090805040100)),
             0xd8)) {}
+  // groups_of(pairs_u8(8 bytes)) from the bytes in a register's low half: their int16 in both halves.
+  static Shorts256Groups of_u8(__m128i m8) {
+    return Shorts256Groups(_mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(m8)));
+  }
   Shorts256 group(int g) const { return {_mm256_shuffle_epi8(v, _mm256_set1_epi16(int16_t(0x0100 + 0x0202 * g)))}; }
+
+ private:
+  explicit Shorts256Groups(__m256i rearranged) : v(rearranged) {}
 };
 inline Shorts256Groups groups_of(const Shorts256& s) { return Shorts256Groups(s); }
 
