@@ -34,7 +34,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <optional>
 #include <utility>
 
 namespace pp::kernels::gemm {
@@ -247,9 +246,8 @@ inline constexpr std::size_t seg_len(std::size_t k, std::size_t seg) { return st
 // packed token blocks, k cut into `segs` segments, a token block's segment `seg_bytes` packed. Loops:
 // token chunks (about kChunkBytes of one segment), groups of kGroupBlocks row blocks of R, segments, the
 // group's row blocks, the chunk's token blocks. `prepare(rb, rn, seg)` readies a row block's segment,
-// `prefetch(rb, rn, seg)` asks for the one prepared next (the next row block's, the group's first of the
-// next segment, the next group's or chunk's first: R short runs from R rows, too short for the hardware
-// prefetcher) while this one computes,
+// `prefetch(rb, rn, seg)` asks for one ahead (the next row block's, or the group's first of the next
+// segment: R short runs from R rows, too short for the hardware prefetcher) while this one computes,
 // `tile(rb, rn, b, seg, acc, resume)` runs the segment into acc (R x kBlockTokens, the tiles' layout),
 // going on from its values when `resume`. So each (row, token) is one chain over k in order, whatever
 // the segments, chunks, groups or tasks.
@@ -275,8 +273,6 @@ inline void for_each_tile(std::size_t blocks, std::size_t segs, std::size_t seg_
           prepare(rb, rn, seg);
           if (rb + R < g1) prefetch(rb + R, std::min<std::size_t>(R, g1 - rb - R), seg);
           else if (seg + 1 < segs) prefetch(g0, std::min<std::size_t>(R, g1 - g0), seg + 1);
-          else if (g1 < r1) prefetch(g1, std::min<std::size_t>(R, r1 - g1), 0);  // the next group's first
-          else if (c1 < blocks) prefetch(r0, std::min<std::size_t>(R, r1 - r0), 0);  // the next chunk's first
           for (std::size_t b = c0; b < c1; ++b) tile(rb, rn, b, seg, acc(rb, b), seg > 0);
         }
       for (std::size_t rb = g0; rb < g1; rb += R)
@@ -297,56 +293,37 @@ inline void prefetch_rows(const MatView& w, std::size_t rb, std::size_t rn, std:
 }
 
 // A row block's segment of float weights widened to f32 panels (the exact tile's layout, `dst`), one
-// row's panel (a unit) at a time, row by row: whole at once (run), or a slice after each panel of the
-// tile before it (step), so the widening and the weights' trip from memory overlap that tile's FMAs
-// instead of waiting between row blocks (they cost 7-10% of an F16 prompt there: an AVX2 prompt of 128
-// ran 9-10% faster with the widening skipped). Each slice prefetches the weights of the slice kAhead
-// slices later, a few lines at a time.
+// row's panel (a unit) at a time: whole at once (run), or slice by slice inside the tiles of the row block
+// before it (step, after each of their panels), so the widening and the weights' trip from memory overlap
+// the FMAs instead of waiting between row blocks (which cost 7-10% of an F16 prompt).
 template <class A, class WT>
 struct PanelWidening {
-  using S = typename WT::storage;
-  static constexpr std::size_t kAhead = 8;
-
-  const MatView& w;
-  float* dst;
-  std::size_t rb, rn, k0, kn, panels, per_step;
-  std::size_t r = 0, p = 0;  // the next unit: row r's panel p
-  std::size_t fetch_r = 0, fetch_p = 0;  // the next unit to prefetch
+  const MatView* w = nullptr;
+  float* dst = nullptr;
+  std::size_t rb = 0, rn = 0, k0 = 0, kn = 0;
+  std::size_t units = 0, done = 0, per_step = 0;
 
   PanelWidening(const MatView& w_, float* dst_, std::size_t rb_, std::size_t rn_, std::size_t k0_, std::size_t kn_,
                 std::size_t steps)
-      : w(w_), dst(dst_), rb(rb_), rn(rn_), k0(k0_), kn(kn_), panels((kn_ + kPanelK - 1) / kPanelK),
-        per_step(steps ? (rn_ * panels + steps - 1) / steps : rn_ * panels) {}
-  const S* source(std::size_t row, std::size_t panel) const {
-    return reinterpret_cast<const S*>(w.row(rb + row)) + k0 + panel * kPanelK;
-  }
-  // Prefetches the source of the next n units (once per cache line).
-  void prefetch(std::size_t n) {
-    for (; n && fetch_r < rn; --n) {
-      const S* src = source(fetch_r, fetch_p);
-      if (fetch_p == 0 || reinterpret_cast<uintptr_t>(src) % 64 < kPanelK * sizeof(S)) __builtin_prefetch(src, 0, 3);
-      if (++fetch_p == panels) fetch_p = 0, ++fetch_r;
-    }
-  }
-  // Asks for the first slices' weights (the rest follow from step).
-  void start() { prefetch(kAhead * per_step); }
-  void unit() {
+      : w(&w_), dst(dst_), rb(rb_), rn(rn_), k0(k0_), kn(kn_), units(rn_ * panels()),
+        per_step(steps ? (units + steps - 1) / steps : units) {}
+  std::size_t panels() const { return (kn + kPanelK - 1) / kPanelK; }
+  void unit(std::size_t u) {
+    using S = typename WT::storage;
     constexpr std::size_t W = simd::fbatch<A>::size;
-    const std::size_t s0 = p * kPanelK;
-    const S* src = source(r, p);
+    const std::size_t r = u / panels(), s0 = (u % panels()) * kPanelK;  // row by row: each read in order
+    const S* src = reinterpret_cast<const S*>(w->row(rb + r)) + k0 + s0;
     float* out = dst + s0 * rn + r * kPanelK;
     if (s0 + kPanelK <= kn)
       for (std::size_t j = 0; j < kPanelK; j += W) simd::load<A>(WT{}, src + j).store_aligned(out + j);
     else
       for (std::size_t j = 0; j < kPanelK; ++j) out[j] = s0 + j < kn ? simd::load1(WT{}, src + j) : 0.f;
-    if (++p == panels) p = 0, ++r;
   }
   void step() {
-    prefetch(per_step);
-    for (std::size_t n = per_step; n && r < rn; --n) unit();
+    for (const std::size_t end = std::min(units, done + per_step); done < end; ++done) unit(done);
   }
   void run() {
-    while (r < rn) unit();
+    for (; done < units; ++done) unit(done);
   }
 };
 
@@ -368,25 +345,26 @@ inline void matmul_packed_typed(const MatView& w, const PackedX& x, float* y, st
     bool operator==(const Block&) const = default;
   };
   Block ahead, ready;  // the block to widen inside the next tiles; the block nxt holds
+  auto widening = [&](float* dst, const Block& b, std::size_t steps) {
+    return PanelWidening<A, WT>(w, dst, b.rb, b.rn, b.seg * kSegK, seg_len(k, b.seg), steps);
+  };
   auto prepare = [&](std::size_t rb, std::size_t rn, std::size_t seg) {
     if (ready == Block{rb, rn, seg}) std::swap(cur, nxt);
-    else PanelWidening<A, WT>(w, cur, rb, rn, seg * kSegK, seg_len(k, seg), 0).run();
+    else widening(cur, {rb, rn, seg}, 0).run();
     ready = {}, ahead = {};
   };
-  std::optional<PanelWidening<A, WT>> side;  // ahead's widening, begun by its prefetch
   auto prefetch = [&](std::size_t rb, std::size_t rn, std::size_t seg) {
+    prefetch_rows(w, rb, rn, seg * kSegK, seg_len(k, seg), sizeof(typename WT::storage));
     ahead = {rb, rn, seg};
-    const std::size_t kn = seg_len(k, seg);
-    side.emplace(w, nxt, rb, rn, seg * kSegK, kn, kn / kPanelK);
-    side->start();
   };
   auto tiles = [&](std::size_t, std::size_t rn, std::size_t b, std::size_t seg, float* acc, bool resume) {
     const float* xt = reinterpret_cast<const float*>(x.block(b)) + seg * kSegK * TB;
     const std::size_t tn = std::min(TB, x.m - b * TB), kn = seg_len(k, seg);
     std::size_t t = 0;
     if (rn == R && ahead != Block{}) {  // the first tile of a whole block: the next block widens beside it
-      tile<A, R>(cur, xt, kn, acc, resume, *side);
-      side->run();
+      auto side = widening(nxt, ahead, kn / kPanelK);
+      tile<A, R>(cur, xt, kn, acc, resume, side);
+      side.run();
       ready = ahead, ahead = {};
       t = kVecs * W;
     }
