@@ -1,9 +1,9 @@
 // The prompt tile kernels of two versions of the code in one process, alternated: the working tree's
 // (pp::kernels::gemm, gemm_q8) against a base commit's (gemm_base, gemm_q8_base: headers that
 // bench/ab_tiles.sh extracts from git with their namespaces renamed). On a shared host the speed of a
-// whole process moves by 5-10% from one run to the next (memory placement, the neighbours' load), more
+// whole process moves by 10-20% from one run to the next (memory placement, the neighbours' load), more
 // than most kernel changes; within one process, with the two versions taking turns on the same weights,
-// the same copy of x and the same scratch, an A/A run agrees to within 1%. Prints GFLOP/s of each
+// the same copy of x and the same scratch, an A/A run agrees to within 2% a case. Prints GFLOP/s of each
 // version, new / base per case and their geometric mean, and whether the outputs differ (the tiles'
 // results should not change unless a change means them to).
 //
