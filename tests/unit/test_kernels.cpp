@@ -7,10 +7,15 @@
 
 #include "../common/archs.hpp"
 #include "../common/oracle.hpp"
+#include "../common/timing.hpp"
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <bit>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -244,6 +249,49 @@ TEST(ThreadPool, CoversEveryIndexOnce) {
     });
     for (int h : hits) ASSERT_EQ(h, 1);
   }
+}
+
+TEST(ThreadPool, ClaimedCoversEveryIndexOnce) {
+  for (unsigned threads : {1u, 3u}) {
+    pp::ThreadPool pool(threads);
+    for (std::size_t n : {0, 1, 2, 3, 10, 1000}) {
+      std::vector<std::atomic<int>> hits(n);
+      pool.parallel_for_claimed(n, [&](std::size_t i, unsigned t) {
+        EXPECT_LT(t, threads);
+        hits[i].fetch_add(1);
+      });
+      for (const auto& h : hits) ASSERT_EQ(h.load(), 1) << threads << " threads, n " << n;
+    }
+  }
+}
+
+// A thread held up on one item (a core running slower) does not hold up the rest: the other thread
+// takes every remaining item while it waits. Under a static split the held thread's other items would
+// wait for it, and the guard (scaled to this host) would run out.
+TEST(ThreadPool, ClaimedItemsGoToTheThreadThatIsFree) {
+  pp::ThreadPool pool(2);
+  constexpr std::size_t n = 64;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::size_t done = 0;
+  bool others_done = false;
+  std::size_t done_at_release = 0;
+  std::vector<unsigned> by(n, 99);
+  pool.parallel_for_claimed(n, [&](std::size_t i, unsigned t) {
+    by[i] = t;
+    std::unique_lock lk(mu);
+    if (i == 0) {  // the first item claimed: its thread waits until the other has done the rest
+      others_done = cv.wait_for(lk, pp::test::slack(std::chrono::seconds(20)), [&] { return done == n - 1; });
+      done_at_release = done;
+      return;
+    }
+    ++done;
+    cv.notify_all();
+  });
+  EXPECT_TRUE(others_done) << done_at_release << " of the other " << n - 1 << " items done while one thread was held";
+  std::size_t held = 0;
+  for (unsigned t : by) held += t == by[0] ? 1 : 0;
+  EXPECT_EQ(held, 1u) << "the held thread took " << held << " items";
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // A persistent pool of worker threads running one parallel loop at a time, with no allocation per call.
 //
-// Work is split statically into contiguous chunks, so which thread computes an item never changes the
-// item's result: kernels compute each output element the same way whatever the thread count.
+// Work is split statically into contiguous chunks (parallel_for), or claimed item by item
+// (parallel_for_claimed, for items that are independent); either way which thread computes an item never
+// changes the item's result: kernels compute each output element the same way whatever the thread count.
 //
 // A decode step is ~130 short loops back to back. Waking a blocked thread costs tens of microseconds on
 // a VM (the idle vCPU has to be kicked), so a worker that has finished a loop, and a caller waiting for
@@ -75,6 +76,22 @@ class ThreadPool {
     if (spin_until([&] { return pending_.load(std::memory_order_acquire) == 0; })) return;
     std::unique_lock lk(mu_);
     done_cv_.wait(lk, [&] { return pending_.load(std::memory_order_acquire) == 0; });
+  }
+
+  // Calls fn(i, t) for every i in [0, n), each thread (t) claiming the next item as it finishes one: a
+  // core that runs slower for a while (a busy SMT sibling or neighbour on the host, an efficiency core, a
+  // thread of the server beside it) takes fewer items instead of holding up the loop, as a static split
+  // would. Only for items whose results do not depend on the thread or the order (a matmul's row blocks).
+  template <class Fn>
+  void parallel_for_claimed(std::size_t n, Fn&& fn) {
+    if (n_ == 1 || n <= 1) {
+      for (std::size_t i = 0; i < n; ++i) fn(i, 0u);
+      return;
+    }
+    std::atomic<std::size_t> next{0};
+    parallel_for(n_, [&](std::size_t, std::size_t, unsigned t) {
+      for (std::size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) fn(i, t);
+    });
   }
 
  private:

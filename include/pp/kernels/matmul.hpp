@@ -286,6 +286,15 @@ inline Kernel kernel_for(const MatView& w, QuantPath path, [[maybe_unused]] bool
   return fast_bf16 ? Kernel::dot_bf16 : Kernel::rows;
 }
 
+// Weight rows per item of a prompt's tile loop, which the pool's threads claim one by one
+// (ThreadPool::parallel_for_claimed): whole tiles of every tile kernel (12, 6 and 2 rows), about eight items a
+// thread so that a core running slower for a while hands its share to the others, at most a group of row
+// blocks (gemm::kGroupBlocks x 12) so that an item is not cut into part groups. One thread: one item.
+inline std::size_t claimed_rows(std::size_t rows, unsigned threads) {
+  if (threads <= 1) return std::max<std::size_t>(rows, 1);
+  return std::clamp<std::size_t>(rows / (8 * std::size_t(threads)) / 12 * 12, 12, gemm::kGroupBlocks * 12);
+}
+
 // y[m, w.rows] = x[m, w.cols] * w^T, output rows split across the pool. bulk: the rows belong to bulk
 // requests (see kBulkRows); the caller decides, so that a row's path depends on its own request only.
 template <class A = simd::Best>
@@ -309,8 +318,9 @@ inline void matmul(ThreadPool& pool, const MatView& w, const float* x, std::size
     gemm_q8::PackedX& px = tls;
     gemm_q8::prepare(px, m, w.cols);
     pool.parallel_for(px.blocks(), [&](std::size_t b, std::size_t e, unsigned) { gemm_q8::pack_blocks(xq, px, b, e); });
-    pool.parallel_for(n_tasks, [&](std::size_t b, std::size_t e, unsigned) {
-      gemm_q8::matmul_packed(w, px, y, b * kGrain, std::min(e * kGrain, w.rows));
+    const std::size_t rows = claimed_rows(w.rows, pool.size());
+    pool.parallel_for_claimed((w.rows + rows - 1) / rows, [&](std::size_t i, unsigned) {
+      gemm_q8::matmul_packed(w, px, y, i * rows, std::min((i + 1) * rows, w.rows));
     });
     return;
   }
@@ -325,8 +335,9 @@ inline void matmul(ThreadPool& pool, const MatView& w, const float* x, std::size
     gemm::PackedX& px = tls;
     gemm::prepare(px, m, w.cols, fast_bf16);
     pool.parallel_for(px.blocks(), [&](std::size_t b, std::size_t e, unsigned) { gemm::pack_blocks(x, px, b, e); });
-    pool.parallel_for(n_tasks, [&](std::size_t b, std::size_t e, unsigned) {
-      const std::size_t r0 = b * kGrain, r1 = std::min(e * kGrain, w.rows);
+    const std::size_t rows = claimed_rows(w.rows, pool.size());
+    pool.parallel_for_claimed((w.rows + rows - 1) / rows, [&](std::size_t i, unsigned) {
+      const std::size_t r0 = i * rows, r1 = std::min(r0 + rows, w.rows);
 #if PP_HAVE_BF16_DOT
       if (fast_bf16) return gemm::matmul_packed_bf16(w, px, y, r0, r1);
 #endif
@@ -438,23 +449,21 @@ inline void matmul_groups(ThreadPool& pool, const MatView& w, const float* x, fl
   // Weight rows per block: a multiple of the tiles' row counts (12 and 6; 4 for the dot tiles).
   const std::size_t fuse = std::clamp<std::size_t>(kFuseBytes / std::max<std::size_t>(1, w.row_stride) / 12 * 12, 12, 48);
   const std::size_t n_blocks = (w.rows + fuse - 1) / fuse;
-  pool.parallel_for(n_blocks, [&](std::size_t b, std::size_t e, unsigned) {
-    for (std::size_t j = b; j < e; ++j) {
-      const std::size_t r0 = j * fuse, r1 = std::min(r0 + fuse, w.rows);
-      for (std::size_t i = 0; i < groups.size(); ++i) {
-        const RowGroup& g = groups[i];
-        float* gy = y + g.row0 * w.rows;
-        switch (prep[i].kernel) {
+  pool.parallel_for_claimed(n_blocks, [&](std::size_t j, unsigned) {
+    const std::size_t r0 = j * fuse, r1 = std::min(r0 + fuse, w.rows);
+    for (std::size_t i = 0; i < groups.size(); ++i) {
+      const RowGroup& g = groups[i];
+      float* gy = y + g.row0 * w.rows;
+      switch (prep[i].kernel) {
 #if PP_HAVE_Q8_TILES
-          case Kernel::q8_tiles: gemm_q8::matmul_packed(w, packed_q8[prep[i].slot], gy, r0, r1); break;
+        case Kernel::q8_tiles: gemm_q8::matmul_packed(w, packed_q8[prep[i].slot], gy, r0, r1); break;
 #endif
 #if PP_HAVE_BF16_DOT
-          case Kernel::tiles_bf16: gemm::matmul_packed_bf16(w, packed[prep[i].slot], gy, r0, r1); break;
-          case Kernel::dot_bf16: matmul_rows_bf16(w, prep[i].xb.data, prep[i].xb.stride, g.n, gy, r0, r1); break;
+        case Kernel::tiles_bf16: gemm::matmul_packed_bf16(w, packed[prep[i].slot], gy, r0, r1); break;
+        case Kernel::dot_bf16: matmul_rows_bf16(w, prep[i].xb.data, prep[i].xb.stride, g.n, gy, r0, r1); break;
 #endif
-          case Kernel::tiles: gemm::matmul_packed<A>(w, packed[prep[i].slot], gy, r0, r1); break;
-          default: matmul_rows<A>(w, x + g.row0 * w.cols, g.n, gy, r0, r1, xq ? xq + g.row0 * rb : nullptr); break;
-        }
+        case Kernel::tiles: gemm::matmul_packed<A>(w, packed[prep[i].slot], gy, r0, r1); break;
+        default: matmul_rows<A>(w, x + g.row0 * w.cols, g.n, gy, r0, r1, xq ? xq + g.row0 * rb : nullptr); break;
       }
     }
   });
