@@ -14,9 +14,9 @@
 #include <atomic>
 #include <bit>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <mutex>
-#include <cmath>
 #include <random>
 #include <vector>
 
