@@ -350,7 +350,12 @@ void BM_DecodeMulti(benchmark::State& st) {
   st.counters["tok/s"] = benchmark::Counter(double(n_seq), benchmark::Counter::kIsIterationInvariantRate);
   st.SetLabel(dt + decode_path(s, dt) + ", " + std::to_string(n_seq) + " sequences");
 }
-BENCHMARK(BM_DecodeMulti)->ArgsProduct({{0}, {1, 2, 4, 8}, {2}})->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
+// One thread, up to 16 sequences: a pinned pipeline stage's step (docs/SERVING.md: two stages on their own
+// cores serve at most what one core does for B sequences over what it does for B / 2, T(B) / T(B / 2)).
+BENCHMARK(BM_DecodeMulti)
+    ->ArgsProduct({{0}, {1, 2, 4, 8}, {2}})
+    ->ArgsProduct({{0}, {1, 4, 8, 16}, {1}})
+    ->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
 
 // A decode step of 8 sequences with a prompt's piece of n rows fed beside it (the serving scheduler's
 // paced prefill): in the same batch (mode 0: the weights streamed once for both paths,
