@@ -414,7 +414,8 @@ void BM_Prefill(benchmark::State& st) {
     s.head(seq, rows.data() + (n - 1) * s.config().n_embd, 1, logits.data());
   };
   // One untimed pass first, as llama-bench runs a warm-up prompt before its timed ones: the first pass
-  // also faults in the sequence's KV pages and the threads' scratch (the first of three repetitions of BM_Prefill/0/128/1 read ~8% low without it).
+  // also faults in the sequence's KV pages and the threads' scratch (without it, the first of three
+  // repetitions of BM_Prefill/0/128/1 read ~8% low).
   prompt();
   for (auto _ : st) prompt();
   st.counters["tok/s"] = benchmark::Counter(double(n), benchmark::Counter::kIsIterationInvariantRate);

@@ -286,17 +286,20 @@ inline Kernel kernel_for(const MatView& w, QuantPath path, [[maybe_unused]] bool
   return fast_bf16 ? Kernel::dot_bf16 : Kernel::rows;
 }
 
-// fn(r0, r1) over [0, rows) in items the pool's threads claim one by one (ThreadPool::parallel_for_claimed):
-// a prompt's tile loop. Items are whole tiles of every tile kernel (12, 6 and 2 rows), about eight a
-// thread so that a core running slower for a while hands its share to the others, at most a group of row
-// blocks (gemm::kGroupBlocks x 12) so that an item is not cut into part groups. One thread: one item.
+// fn(r0, r1) over [0, rows) in items of `per` rows that the pool's threads claim one by one
+// (ThreadPool::parallel_for_claimed), so that a core running slower for a while hands its share to the others.
 template <class Fn>
-inline void for_claimed_rows(ThreadPool& pool, std::size_t rows, Fn&& fn) {
-  const std::size_t per = pool.size() <= 1 ? std::max<std::size_t>(rows, 1)
-                                           : std::clamp<std::size_t>(rows / (8 * std::size_t(pool.size())) / 12 * 12,
-                                                                     12, gemm::kGroupBlocks * 12);
+inline void for_claimed_rows(ThreadPool& pool, std::size_t rows, std::size_t per, Fn&& fn) {
   pool.parallel_for_claimed((rows + per - 1) / per,
                             [&](std::size_t i, unsigned) { fn(i * per, std::min((i + 1) * per, rows)); });
+}
+
+// Rows per item of a prompt's tile loop: whole tiles of every tile kernel (12, 6 and 2 rows), about eight
+// items a thread, at most a group of row blocks (gemm::kGroupBlocks x 12) so that an item is not cut into
+// part groups. One thread: one item.
+inline std::size_t tile_rows_per_item(std::size_t rows, unsigned threads) {
+  if (threads <= 1) return std::max<std::size_t>(rows, 1);
+  return std::clamp<std::size_t>(rows / (8 * std::size_t(threads)) / 12 * 12, 12, gemm::kGroupBlocks * 12);
 }
 
 // y[m, w.rows] = x[m, w.cols] * w^T, output rows split across the pool. bulk: the rows belong to bulk
@@ -322,7 +325,8 @@ inline void matmul(ThreadPool& pool, const MatView& w, const float* x, std::size
     gemm_q8::PackedX& px = tls;
     gemm_q8::prepare(px, m, w.cols);
     pool.parallel_for(px.blocks(), [&](std::size_t b, std::size_t e, unsigned) { gemm_q8::pack_blocks(xq, px, b, e); });
-    for_claimed_rows(pool, w.rows, [&](std::size_t r0, std::size_t r1) { gemm_q8::matmul_packed(w, px, y, r0, r1); });
+    for_claimed_rows(pool, w.rows, tile_rows_per_item(w.rows, pool.size()),
+                     [&](std::size_t r0, std::size_t r1) { gemm_q8::matmul_packed(w, px, y, r0, r1); });
     return;
   }
 #endif
@@ -336,7 +340,7 @@ inline void matmul(ThreadPool& pool, const MatView& w, const float* x, std::size
     gemm::PackedX& px = tls;
     gemm::prepare(px, m, w.cols, fast_bf16);
     pool.parallel_for(px.blocks(), [&](std::size_t b, std::size_t e, unsigned) { gemm::pack_blocks(x, px, b, e); });
-    for_claimed_rows(pool, w.rows, [&](std::size_t r0, std::size_t r1) {
+    for_claimed_rows(pool, w.rows, tile_rows_per_item(w.rows, pool.size()), [&](std::size_t r0, std::size_t r1) {
 #if PP_HAVE_BF16_DOT
       if (fast_bf16) return gemm::matmul_packed_bf16(w, px, y, r0, r1);
 #endif
@@ -447,9 +451,7 @@ inline void matmul_groups(ThreadPool& pool, const MatView& w, const float* x, fl
   }
   // Weight rows per block: a multiple of the tiles' row counts (12 and 6; 4 for the dot tiles).
   const std::size_t fuse = std::clamp<std::size_t>(kFuseBytes / std::max<std::size_t>(1, w.row_stride) / 12 * 12, 12, 48);
-  const std::size_t n_blocks = (w.rows + fuse - 1) / fuse;
-  pool.parallel_for_claimed(n_blocks, [&](std::size_t j, unsigned) {
-    const std::size_t r0 = j * fuse, r1 = std::min(r0 + fuse, w.rows);
+  for_claimed_rows(pool, w.rows, fuse, [&](std::size_t r0, std::size_t r1) {
     for (std::size_t i = 0; i < groups.size(); ++i) {
       const RowGroup& g = groups[i];
       float* gy = y + g.row0 * w.rows;
