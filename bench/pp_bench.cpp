@@ -149,15 +149,17 @@ BENCHMARK(BM_MatmulFew)
 
 // A prompt's matmul (128 tokens) at the 1B shapes, one thread, by kernel: 0 = the 1-row dot kernels of
 // a decode step applied to every token; 1 = the exact tile kernel a bulk request takes here (AMX tiles
-// or the vector register tiles of gemm.hpp); 2 = the fast path (BF16 only: bf16 activations and the
-// bf16 dot, where the CPU has one), activation rounding included. Q8_0 weights take the quantized fast
+// or the vector register tiles of gemm.hpp); 2 = the fast path (BF16: bf16 activations and the bf16
+// dot, where the CPU has one; F16: gemm_f16.hpp's int16 tiles, where compiled in), activation rounding
+// or quantization included. Q8_0 weights take the quantized fast
 // path (activations quantized to int8 blocks in each call): 0 = its dot kernels, 1 = gemm_q8.hpp's tiles.
 void BM_MatmulBulk(benchmark::State& st) {
   const auto type = pp::DType(st.range(0));
   const std::size_t rows = std::size_t(st.range(1)), cols = std::size_t(st.range(2)), m = 128;
   const int kernel = int(st.range(3));
   const bool q8 = type == pp::DType::Q8_0;
-  if ((kernel == 2 && (type != pp::DType::BF16 || !pp::kernels::gemm::kHaveFastBf16)) ||
+  const bool fast_f16 = kernel == 2 && type == pp::DType::F16 && pp::kernels::gemm_f16::kAvailable;
+  if ((kernel == 2 && !fast_f16 && (type != pp::DType::BF16 || !pp::kernels::gemm::kHaveFastBf16)) ||
       (q8 && kernel == 1 && !pp::kernels::gemm_q8::kAvailable)) {
     st.SkipWithError("no fast path for this type on this build");
     return;
@@ -181,6 +183,7 @@ void BM_MatmulBulk(benchmark::State& st) {
   st.SetLabel(std::string(pp::dtype_name(type)) + " " + std::to_string(rows) + "x" + std::to_string(cols) + " " +
               (q8            ? (kernel == 0 ? "fast: int8 dot kernels" : std::string("fast: ") + kQ8TilesName)
                : kernel == 0 ? "dot kernels"
+               : fast_f16    ? "fast: int16 tiles"
                : kernel == 2 ? "fast: bf16 dot tiles"
                : pp::kernels::amx::applies(mv) ? "AMX tiles" : "vector tiles"));
 }
@@ -284,7 +287,7 @@ struct GreedyDecode {
 // Which numeric path a decode step takes (float weights: the f32 dot, or the bf16 dot of the fast path).
 std::string decode_path(const pp::Stage& s, const std::string& dt) {
   if (dt == "bf16") return s.fast_float() ? " fast (bf16 dot)" : " exact";
-  return dt == "f16" || dt == "f32" ? " exact" : " fast (int8)";
+  return dt == "f16" || dt == "f32" ? " exact" : " fast (int8)";  // F16's fast path is for prompts
 }
 
 // Decode: one token per iteration at growing positions after an 8-token prompt. The host's bandwidth
@@ -419,11 +422,13 @@ void BM_Prefill(benchmark::State& st) {
   prompt();
   for (auto _ : st) prompt();
   st.counters["tok/s"] = benchmark::Counter(double(n), benchmark::Counter::kIsIterationInvariantRate);
-  // Which numeric path the prompt took (float weights: AMX / vector tiles exact, or the bf16 dot).
+  // Which numeric path the prompt took (float weights: AMX / vector tiles exact, the bf16 dot or the int16 tiles).
   const bool quant = dt != "bf16" && dt != "f16";
   st.SetLabel(dt + (dt == "q8_0" && pp::kernels::gemm_q8::kAvailable ? std::string(" fast (") + kQ8TilesName + ")"
                     : quant                          ? " fast (int8)"
                     : dt == "bf16" && s.fast_float() ? " fast (bf16 dot)"
+                    : dt == "f16" && s.fast_float() && pp::kernels::gemm_f16::kAvailable
+                        ? std::string(" fast (") + pp::kernels::gemm_f16::kName + ")"
                     : pp::kernels::amx::available()  ? " exact (AMX)"
                                                      : " exact (vector tiles)"));
 }

@@ -58,9 +58,10 @@ struct StageOptions {
   // f32 inside the dot, within 1e-3 of float64). Float weights ignore it.
   bool fast_quant = true;
   // BF16 weights: activations rounded to bf16 and the CPU's bf16 dot (AVX512-BF16, AArch64 BF16), in prompts and
-  // decode steps alike, llama.cpp's numerics; or false for the exact path (f32 activations, within 1e-3
-  // of float64). Unset: kernels::fast_float_default(), fast where the bf16 dot exists and AMX does not.
-  // Other weight types ignore it.
+  // decode steps alike, llama.cpp's numerics. F16 weights: prompts on int16 tiles (AVX512-VNNI,
+  // kernels/gemm_f16.hpp: closer to exact than llama.cpp's f16 activations), decode steps exact. False:
+  // the exact path (f32 activations, within 1e-3 of float64). Unset: kernels::fast_float_default(), fast
+  // where this build has a fast path and the CPU no AMX. Other weight types ignore it.
   std::optional<bool> fast_float = std::nullopt;
   // Anonymous by default: decode streams the weights ~1.4x faster from anonymous huge pages than from
   // the file mapping here (docs/PERFORMANCE.md). Mapped shares the page cache between processes.
@@ -164,11 +165,12 @@ class Stage {
   bool is_last() const { return range_.hi == int(cfg_.n_layer); }
   std::size_t ctx() const { return ctx_; }
   unsigned threads() const { return pool_->size(); }
-  // Whether BF16 weights take the bf16-dot fast path here (StageOptions::fast_float).
+  // Whether float weights take their fast path here (StageOptions::fast_float).
   bool fast_float() const { return fast_float_; }
   // The kernels this stage computes with, as the handshake reports them: the SIMD target, plus
   // "+bf16dot" when BF16 weights take the fast path and the model multiplies by BF16 matrices (results
-  // then differ from an exact end's), "+q8tiles" when Q8_0 prompts run on the int8 tiles (fast_quant, AVX512-VNNI or AVX2:
+  // then differ from an exact end's), "+f16tiles" the same for F16 matrices on gemm_f16's int16 tiles,
+  // "+q8tiles" when Q8_0 prompts run on the int8 tiles (fast_quant, AVX512-VNNI or AVX2:
   // the same bits on both; they sum blocks in another order than a build without them). It follows the file, not this stage's
   // range, so every stage of one model with the same settings reports the same profile.
   const std::string& kernel_profile() const { return kernel_profile_; }
@@ -176,21 +178,23 @@ class Stage {
   // while its stage is still loading).
   static std::string kernel_profile_for(const Model& model, const StageOptions& opt) {
     const bool fast_float = fast_float_for(opt);
-    bool bf16_blocks = false, q8_blocks = false;
+    bool bf16_blocks = false, f16_blocks = false, q8_blocks = false;
     const bool has_output = model.gguf().tensor("output.weight") != nullptr;
     for (const gguf::TensorInfo& t : model.gguf().tensors) {
       // The head's matrix is output.weight, or the embedding table when the two are tied.
       const bool head = t.name == "output.weight" || (!has_output && t.name == "token_embd.weight");
       bf16_blocks = bf16_blocks || ((head || t.name.starts_with("blk.")) && t.type == gguf::TensorType::BF16);
+      f16_blocks = f16_blocks || ((head || t.name.starts_with("blk.")) && t.type == gguf::TensorType::F16);
       if (!t.name.starts_with("blk.")) continue;
       q8_blocks = q8_blocks || t.type == gguf::TensorType::Q8_0;
     }
-    return std::string(simd::Best::name()) + (fast_float && bf16_blocks ? "+bf16dot" : "") +
+    return std::string(simd::Best::name()) + (fast_float && bf16_blocks && kernels::gemm::kHaveFastBf16 ? "+bf16dot" : "") +
+           (fast_float && f16_blocks && kernels::gemm_f16::kAvailable ? "+f16tiles" : "") +
            (q8_blocks && kernels::bulk_on_tiles(DType::Q8_0, opt.fast_quant) ? "+q8tiles" : "");
   }
-  // Whether BF16 weights take the bf16 dot with `opt` on this CPU.
+  // Whether float weights take their fast path with `opt` on this CPU.
   static bool fast_float_for(const StageOptions& opt) {
-    return opt.fast_float.value_or(kernels::fast_float_default()) && kernels::gemm::kHaveFastBf16;
+    return opt.fast_float.value_or(kernels::fast_float_default()) && kernels::kHaveFastFloat;
   }
   const std::shared_ptr<const Model>& model() const { return model_; }
   const gguf::File& gguf() const { return gguf_; }

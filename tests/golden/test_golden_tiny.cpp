@@ -1,5 +1,6 @@
 // Golden: logits of golden-tiny (F32/F16/BF16) against the float64 reference, prompt and teacher-forced decode.
 #include <pp/kernels/gemm.hpp>
+#include <pp/kernels/gemm_f16.hpp>
 #include <pp/stage.hpp>
 #include <pp/text/sampler.hpp>
 
@@ -94,19 +95,23 @@ INSTANTIATE_TEST_SUITE_P(AllFiles, GoldenTiny,
                            return s;
                          });
 
-// The fast path of BF16 weights (activations rounded to bf16, the bf16 dot) against the same float64
-// reference, over the prompt (bulk: kernels/gemm.hpp's tiles) and the teacher-forced decode that reads
-// its KV cache (kernels/matmul.hpp's dot tiles): at most 1.25x llama.cpp's own distance (kvf32 file) over the same
-// positions and ids.
-class GoldenTinyFast : public ::testing::TestWithParam<std::string> {};
+// The fast paths of float weights against the same float64 reference, over the prompt (bulk) and the
+// teacher-forced decode that reads its KV cache: at most 1.25x llama.cpp's own distance (kvf32 file,
+// activations rounded to bf16 / f16) over the same positions and ids. BF16: activations rounded to bf16,
+// the bf16 dot (kernels/gemm.hpp's tiles for the prompt, kernels/matmul.hpp's dot tiles for decode);
+// F16: the prompt on kernels/gemm_f16.hpp's int16 tiles, decode exact.
+class GoldenTinyFast : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
 
-TEST_P(GoldenTinyFast, Bf16PromptWithinLlamaCppsDistanceOfExact) {
-  if (!pp::kernels::gemm::kHaveFastBf16) GTEST_SKIP() << "no bf16 dot in this build (AVX512-BF16, AArch64 BF16): no fast path";
-  const std::string prompt = GetParam();
+TEST_P(GoldenTinyFast, PromptWithinLlamaCppsDistanceOfExact) {
+  const auto& [dt, prompt] = GetParam();
+  if (dt == "bf16" && !pp::kernels::gemm::kHaveFastBf16)
+    GTEST_SKIP() << "no bf16 dot in this build (AVX512-BF16, AArch64 BF16): no fast path";
+  if (dt == "f16" && !pp::kernels::gemm_f16::kAvailable)
+    GTEST_SKIP() << "no int16 tiles in this build (AVX512-VNNI): no fast path for F16";
   const auto dir = pp::test::data_dir() / "golden-tiny";
-  const json ref = pp::test::load_json(dir / ("golden-tiny-bf16." + prompt + ".exact.json"));
-  const json llama = pp::test::load_json(dir / ("golden-tiny-bf16." + prompt + ".kvf32.json"));
-  auto st = pp::Stage::open_full(model_path("bf16"), {.threads = 2, .fast_float = true});
+  const json ref = pp::test::load_json(dir / ("golden-tiny-" + dt + "." + prompt + ".exact.json"));
+  const json llama = pp::test::load_json(dir / ("golden-tiny-" + dt + "." + prompt + ".kvf32.json"));
+  auto st = pp::Stage::open_full(model_path(dt), {.threads = 2, .fast_float = true});
   ASSERT_TRUE(st->fast_float());
   const std::size_t V = st->config().n_vocab, E = st->config().n_embd;
   const std::vector<int32_t> toks = ref["prompt_tokens"].get<std::vector<int32_t>>();
@@ -163,12 +168,14 @@ TEST_P(GoldenTinyFast, Bf16PromptWithinLlamaCppsDistanceOfExact) {
                                              nullptr, 0, exact_full, ref["greedy_logits_top"][i],
                                              llama["greedy_logits_top"][i]));
   }
-  std::printf("[golden fast] bf16 %s: max |diff| from exact %.3g (llama.cpp kvf32: %.3g, ratio %.2f)\n",
+  std::printf("[golden fast] %s %s: max |diff| from exact %.3g (llama.cpp kvf32: %.3g, ratio %.2f)\n", dt.c_str(),
               prompt.c_str(), ours_max, llama_max, ours_max / llama_max);
   EXPECT_GT(ours_max, 1e-6) << "the fast path gave exact results: was it taken?";
   EXPECT_LE(ours_max, 1.25 * llama_max);
 }
 
-INSTANTIATE_TEST_SUITE_P(BulkPrompts, GoldenTinyFast, ::testing::Values("p40", "p300"));
+INSTANTIATE_TEST_SUITE_P(BulkPrompts, GoldenTinyFast,
+                         ::testing::Combine(::testing::Values("bf16", "f16"), ::testing::Values("p40", "p300")),
+                         [](const auto& info) { return std::get<0>(info.param) + "_" + std::get<1>(info.param); });
 
 }  // namespace

@@ -111,7 +111,7 @@ TEST(SplitInvariance, PrefillEqualsTokenByToken) {
   std::vector<int32_t> p40;
   for (int i = 0; i < 40; ++i) p40.push_back((kPrompt[std::size_t(i) % kPrompt.size()] + 7 * i) % 500);
   for (const bool fast : {false, true}) {
-    if (fast && !pp::kernels::gemm::kHaveFastBf16) continue;
+    if (fast && !pp::kernels::kHaveFastFloat) continue;
     for (const char* dt : {"f32", "bf16", "f16"}) {
       SCOPED_TRACE(std::string(dt) + (fast ? " fast_float" : " exact"));
       const auto bulk = logits_in_steps(tiny(dt), p40, 40, 128, fast);
@@ -126,9 +126,14 @@ TEST(SplitInvariance, PrefillEqualsTokenByToken) {
       }
       double worst = 0;
       for (std::size_t i = 0; i < one.size(); ++i) worst = std::max(worst, double(std::abs(bulk[i] - one[i])));
-      const bool rounded = fast && t == pp::DType::BF16;  // bf16 activations in the prompt, f32 in decode
+      // bf16 activations / int16 codes in the prompt, f32 in decode
+      const bool bf16_dot = fast && t == pp::DType::BF16 && pp::kernels::gemm::kHaveFastBf16;
+      const bool f16_tiles = fast && t == pp::DType::F16 && pp::kernels::gemm_f16::kAvailable;
+      const bool rounded = bf16_dot || f16_tiles;
       std::printf("[split] %s%s: bulk (%s) vs token by token: max |diff| %.3g\n", dt, fast ? " fast_float" : "",
-                  rounded ? "bf16 dot" : pp::kernels::amx::available() && t != pp::DType::F32 ? "AMX" : "vector tiles",
+                  bf16_dot    ? "bf16 dot"
+                  : f16_tiles ? "int16 tiles"
+                  : pp::kernels::amx::available() && t != pp::DType::F32 ? "AMX" : "vector tiles",
                   worst);
       if (!rounded) {
         EXPECT_LT(worst, 1e-4);

@@ -50,18 +50,26 @@ inline std::string kernel_description() {
   return s;
 }
 
-// --exact-float: every stage of this process computes BF16 weights on the exact path (f32 activations)
-// instead of the bf16-dot fast path (StageOptions::fast_float's default, kernels::fast_float_default).
+// --exact-float: every stage of this process computes BF16 and F16 weights on the exact path (f32
+// activations) instead of their fast paths (StageOptions::fast_float's default, kernels::fast_float_default).
 inline constexpr const char* kExactFloatHelp =
-    "BF16 weights on the exact path (f32 activations) instead of the bf16 dot (also PP_EXACT_FLOAT=1)";
+    "BF16 / F16 weights on the exact path (f32 activations) instead of the bf16 dot / int16 tiles (also "
+    "PP_EXACT_FLOAT=1)";
 inline void set_exact_float(bool exact) {
   if (exact) ::setenv("PP_EXACT_FLOAT", "1", 1);
+}
+
+// Where this process's float weights go by default: "; BF16 on the bf16 dot; F16 prompts on int16 tiles".
+inline std::string fast_float_description() {
+  const bool fast = kernels::fast_float_default();
+  return std::string(fast && kernels::gemm::kHaveFastBf16 ? "; BF16 on the bf16 dot" : "; BF16 exact") +
+         (fast && kernels::gemm_f16::kAvailable ? "; F16 prompts on int16 tiles" : "; F16 exact");
 }
 
 // One line: "pp_node 0.1.0 (git 4681ce1); kernels avx512bw + AMX tiles for prompts; sanitized no".
 inline std::string version_line(const std::string& tool) {
   return tool + " " + PP_VERSION + " (git " + PP_GIT_COMMIT + "); kernels " + kernel_description() +
-         (kernels::fast_float_default() ? "; BF16 on the bf16 dot" : "; BF16 exact") + "; sanitized " +
+         fast_float_description() + "; sanitized " +
          (kSanitized ? "yes (ASan)" : "no");
 }
 

@@ -283,13 +283,18 @@ inline void for_each_tile(std::size_t blocks, std::size_t segs, std::size_t seg_
   }
 }
 
-// Prefetches values [k0, k0 + kn) of rows [rb, rb + rn) of w (elem bytes a value).
+// Prefetches values [k0, k0 + kn) of rows [rb, rb + rn) of w (elem bytes a value) into L2: the tiles'
+// token stream passes through L1 before the rows are read, and would evict them from there.
+//
+// The empty volatile asm is a side effect: without one, GCC 12 at -O3 finds a function that only
+// prefetches free of them (IPA pure-const) and deletes the calls, and no tile loop prefetched at all.
 inline void prefetch_rows(const MatView& w, std::size_t rb, std::size_t rn, std::size_t k0, std::size_t kn,
                           std::size_t elem) {
   for (std::size_t r = 0; r < rn; ++r) {
     const char* p = reinterpret_cast<const char*>(w.row(rb + r)) + k0 * elem;
-    for (std::size_t o = 0; o < kn * elem; o += 64) __builtin_prefetch(p + o, 0, 3);
+    for (std::size_t o = 0; o < kn * elem; o += 64) __builtin_prefetch(p + o, 0, 2);
   }
+  __asm__ volatile("");
 }
 
 // A row block's segment of float weights widened to f32 panels (the exact tile's layout, `dst`), one

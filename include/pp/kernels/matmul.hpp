@@ -13,6 +13,7 @@
 #include <pp/kernels/quant.hpp>
 #include <pp/kernels/amx.hpp>
 #include <pp/kernels/gemm.hpp>
+#include <pp/kernels/gemm_f16.hpp>
 #include <pp/kernels/gemm_q8.hpp>
 #include <pp/kernels/simd.hpp>
 
@@ -202,8 +203,10 @@ inline void matmul_rows(const MatView& w, const float* x, std::size_t m, float* 
 // The numeric path of a matmul. Quantized weights: exact = weights dequantized to f32 inside the dot;
 // fast = x's rows quantized once per call into the caller's `xq`, integer dot products. BF16 weights with
 // fast_float (where the CPU has a bf16 dot, gemm::kHaveFastBf16): x rounded to bf16 as gemm.hpp packs
-// it, the bf16 dot: vdpbf16ps or bfdot (the tiles for bulk requests, dot_tile_bf16 for decode steps), llama.cpp's numerics;
-// otherwise float weights are exact.
+// it, the bf16 dot: vdpbf16ps or bfdot (the tiles for bulk requests, dot_tile_bf16 for decode steps), llama.cpp's numerics.
+// F16 weights with fast_float (where gemm_f16's int16 tiles exist): bulk requests on those tiles (x and
+// w as int16 codes with power-of-two scales, closer to exact than llama.cpp's f16 activations), decode
+// steps exact. Otherwise float weights are exact.
 struct QuantPath {
   bool fast = false;
   std::span<uint8_t> xq;  // [m, xq_row_bytes(w.cols)] bytes
@@ -213,13 +216,17 @@ struct QuantPath {
 // Bytes of one row of `xq` for matmuls of input width up to n.
 inline constexpr std::size_t xq_row_bytes(std::size_t n) { return quant::act_row_bytes_bound(n); }
 
-// The default of fast_float on this CPU, from the measurements in docs/PERFORMANCE.md: the bf16 dot
-// where it exists, except on AMX CPUs, whose exact tiles are faster still; PP_EXACT_FLOAT=1 (what the
-// tools' --exact-float sets) makes the exact path the default of every stage of the process.
+// Whether this build has a fast path for some float weights (BF16's bf16 dot, F16's int16 tiles).
+inline constexpr bool kHaveFastFloat = gemm::kHaveFastBf16 || gemm_f16::kAvailable;
+
+// The default of fast_float on this CPU, from the measurements in docs/PERFORMANCE.md: fast where this
+// build has a fast path (the bf16 dot, the int16 tiles), except on AMX CPUs, whose exact tiles are faster
+// still; PP_EXACT_FLOAT=1 (what the tools' --exact-float sets) makes the exact path the default of every
+// stage of the process.
 inline bool fast_float_default() {
   const char* exact = std::getenv("PP_EXACT_FLOAT");
   if (exact && exact[0] == '1') return false;
-  return gemm::kHaveFastBf16 && !amx::available();
+  return kHaveFastFloat && !amx::available();
 }
 
 #if PP_HAVE_AMX
@@ -273,11 +280,14 @@ inline Bf16Rows round_rows_bf16(const float* x, std::size_t m, std::size_t n, st
 
 // The kernel a call's rows take: this choice is the numerics' contract (a row's result depends on its
 // kernel), so matmul and matmul_groups both make it here.
-enum class Kernel { q8_tiles, amx, tiles, tiles_bf16, dot_bf16, rows };
+enum class Kernel { q8_tiles, f16_tiles, amx, tiles, tiles_bf16, dot_bf16, rows };
 inline Kernel kernel_for(const MatView& w, QuantPath path, [[maybe_unused]] bool bulk) {
   const bool fast_bf16 = path.fast_float && w.type == DType::BF16 && gemm::kHaveFastBf16;
 #if PP_HAVE_Q8_TILES
   if (bulk && path.fast && w.type == DType::Q8_0) return Kernel::q8_tiles;
+#endif
+#if PP_HAVE_F16_TILES
+  if (bulk && path.fast_float && w.type == DType::F16) return Kernel::f16_tiles;
 #endif
 #if PP_HAVE_AMX
   if (bulk && amx::applies(w) && !fast_bf16) return Kernel::amx;
@@ -327,6 +337,17 @@ inline void matmul(ThreadPool& pool, const MatView& w, const float* x, std::size
     pool.parallel_for(px.blocks(), [&](std::size_t b, std::size_t e, unsigned) { gemm_q8::pack_blocks(xq, px, b, e); });
     for_claimed_rows(pool, w.rows, tile_rows_per_item(w.rows, pool.size()),
                      [&](std::size_t r0, std::size_t r1) { gemm_q8::matmul_packed(w, px, y, r0, r1); });
+    return;
+  }
+#endif
+#if PP_HAVE_F16_TILES
+  if (kernel == Kernel::f16_tiles) {
+    static thread_local gemm_f16::PackedX tls;  // the caller's (see above)
+    gemm_f16::PackedX& px = tls;
+    gemm_f16::prepare(px, m, w.cols);
+    pool.parallel_for(px.blocks(), [&](std::size_t b, std::size_t e, unsigned) { gemm_f16::pack_blocks(x, px, b, e); });
+    for_claimed_rows(pool, w.rows, tile_rows_per_item(w.rows, pool.size()),
+                     [&](std::size_t r0, std::size_t r1) { gemm_f16::matmul_packed(w, px, y, r0, r1); });
     return;
   }
 #endif
@@ -414,11 +435,15 @@ inline void matmul_groups(ThreadPool& pool, const MatView& w, const float* x, fl
   static thread_local std::vector<gemm_q8::PackedX> packed_q8_tls;
   std::vector<gemm_q8::PackedX>& packed_q8 = packed_q8_tls;
 #endif
+#if PP_HAVE_F16_TILES
+  static thread_local std::vector<gemm_f16::PackedX> packed_f16_tls;
+  std::vector<gemm_f16::PackedX>& packed_f16 = packed_f16_tls;
+#endif
   static thread_local std::vector<Prepared> prep_tls;
   std::vector<Prepared>& prep = prep_tls;
   prep.assign(groups.size(), Prepared{});
   std::size_t n_packed = 0, n_rounded = 0;
-  [[maybe_unused]] std::size_t n_q8 = 0;
+  [[maybe_unused]] std::size_t n_q8 = 0, n_f16 = 0;
   for (std::size_t i = 0; i < groups.size(); ++i) {
     const RowGroup& g = groups[i];
     Prepared& p = prep[i];
@@ -431,6 +456,17 @@ inline void matmul_groups(ThreadPool& pool, const MatView& w, const float* x, fl
       gemm_q8::prepare(px, g.n, w.cols);
       const uint8_t* gx = xq + g.row0 * rb;
       pool.parallel_for(px.blocks(), [&](std::size_t b, std::size_t e, unsigned) { gemm_q8::pack_blocks(gx, px, b, e); });
+      continue;
+    }
+#endif
+#if PP_HAVE_F16_TILES
+    if (p.kernel == Kernel::f16_tiles) {
+      p.slot = n_f16++;
+      if (packed_f16.size() < n_f16) packed_f16.resize(n_f16);
+      gemm_f16::PackedX& px = packed_f16[p.slot];
+      gemm_f16::prepare(px, g.n, w.cols);
+      const float* gx = x + g.row0 * w.cols;
+      pool.parallel_for(px.blocks(), [&](std::size_t b, std::size_t e, unsigned) { gemm_f16::pack_blocks(gx, px, b, e); });
       continue;
     }
 #endif
@@ -458,6 +494,9 @@ inline void matmul_groups(ThreadPool& pool, const MatView& w, const float* x, fl
       switch (prep[i].kernel) {
 #if PP_HAVE_Q8_TILES
         case Kernel::q8_tiles: gemm_q8::matmul_packed(w, packed_q8[prep[i].slot], gy, r0, r1); break;
+#endif
+#if PP_HAVE_F16_TILES
+        case Kernel::f16_tiles: gemm_f16::matmul_packed(w, packed_f16[prep[i].slot], gy, r0, r1); break;
 #endif
 #if PP_HAVE_BF16_DOT
         case Kernel::tiles_bf16: gemm::matmul_packed_bf16(w, packed[prep[i].slot], gy, r0, r1); break;
