@@ -1,4 +1,5 @@
 // Split invariance: stages chained in one process give the unsplit logits bit for bit (f32 residual).
+#include <pp/kernels/gemm_f16.hpp>
 #include <pp/local_pipeline.hpp>
 #include <pp/stage.hpp>
 #include <pp/text/sampler.hpp>
@@ -165,6 +166,10 @@ TEST(Stage, KernelProfileIsKnownBeforeTheStageLoads) {
       so.fast_float = fast;
       const pp::Stage st(model, pp::LayerRange{0, 1}, so);
       EXPECT_EQ(pp::Stage::kernel_profile_for(*model, so), st.kernel_profile()) << path << (fast ? " fast" : "");
+      // F16 prompts on the int16 tiles say so; the exact path and the other files do not.
+      EXPECT_EQ(st.kernel_profile().find("+f16tiles") != std::string::npos,
+                fast && path == tiny("f16") && pp::kernels::gemm_f16::kAvailable)
+          << path << (fast ? " fast" : "");
     }
   }
 }

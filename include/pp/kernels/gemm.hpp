@@ -283,16 +283,17 @@ inline void for_each_tile(std::size_t blocks, std::size_t segs, std::size_t seg_
   }
 }
 
-// Prefetches values [k0, k0 + kn) of rows [rb, rb + rn) of w (elem bytes a value) into L2: the tiles'
-// token stream passes through L1 before the rows are read, and would evict them from there.
+// Prefetches values [k0, k0 + kn) of rows [rb, rb + rn) of w (elem bytes a value), into L1 (Locality 3)
+// or L2 (2: gemm_f16.hpp, whose token stream would evict them from L1 before the rows are read).
 //
-// The empty volatile asm is a side effect: without one, GCC 12 at -O3 finds a function that only
-// prefetches free of them (IPA pure-const) and deletes the calls, and no tile loop prefetched at all.
+// The empty volatile asm is a side effect: without one, GCC 12 at -O3 finds a lambda that only calls
+// this free of them (IPA pure-const) and deletes the calls; the Q8_0 tiles' loop had no prefetch at all.
+template <int Locality = 3>
 inline void prefetch_rows(const MatView& w, std::size_t rb, std::size_t rn, std::size_t k0, std::size_t kn,
                           std::size_t elem) {
   for (std::size_t r = 0; r < rn; ++r) {
     const char* p = reinterpret_cast<const char*>(w.row(rb + r)) + k0 * elem;
-    for (std::size_t o = 0; o < kn * elem; o += 64) __builtin_prefetch(p + o, 0, 2);
+    for (std::size_t o = 0; o < kn * elem; o += 64) __builtin_prefetch(p + o, 0, Locality);
   }
   __asm__ volatile("");
 }
@@ -398,9 +399,10 @@ inline void matmul_packed_bf16(const MatView& w, const PackedX& x, float* y, std
   constexpr int R = kBf16Rows;
   const std::size_t k = w.cols;
   const auto no_prepare = [](std::size_t, std::size_t, std::size_t) {};
-  auto prefetch = [&](std::size_t rb, std::size_t rn, std::size_t seg) {
-    prefetch_rows(w, rb, rn, seg * kSegK, seg_len(k, seg), 2);
-  };
+  // No prefetch: with one (into L1 or L2), these tiles ran at 0.92-1.01x their speed without, 0.96 on
+  // average (bench/ab_tiles.sh, Zen 5): the weight pairs are broadcast straight from the rows, whose
+  // lines the hardware prefetcher follows. (Up to d22d4f4 GCC deleted the calls anyway: see prefetch_rows.)
+  const auto no_prefetch = [](std::size_t, std::size_t, std::size_t) {};
   auto tile = [&](std::size_t rb, std::size_t rn, std::size_t b, std::size_t seg, float* acc, bool resume) {
     const bool one_vector = x.m - b * TB <= simd::Bf16Dot::kLanes;  // the block's tokens fit one vector
     detail::kBf16Table[one_vector ? 0 : 1][rn - 1](reinterpret_cast<const uint16_t*>(w.row(rb)) + seg * kSegK,
@@ -408,7 +410,7 @@ inline void matmul_packed_bf16(const MatView& w, const PackedX& x, float* y, std
                                                    seg_len(k, seg), acc, resume);
   };
   for_each_tile<R>(x.blocks(), seg_count(k), (std::min(k, kSegK) + 1) / 2 * TB * 4, x.m, y, w.rows, r0, r1, no_prepare,
-                   prefetch, tile);
+                   no_prefetch, tile);
 }
 #endif
 

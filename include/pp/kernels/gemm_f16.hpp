@@ -256,7 +256,7 @@ inline void matmul_packed(const MatView& w, const PackedX& x, float* y, std::siz
                   rows.codes.data() + r * gemm::kSegK, rows.scale[r]);
   };
   auto prefetch = [&](std::size_t rb, std::size_t rn, std::size_t seg) {
-    gemm::prefetch_rows(w, rb, rn, seg * gemm::kSegK, gemm::seg_len(k, seg), 2);
+    gemm::prefetch_rows<2>(w, rb, rn, seg * gemm::kSegK, gemm::seg_len(k, seg), 2);  // into L2
   };
   auto tile = [&](std::size_t, std::size_t rn, std::size_t tb, std::size_t seg, float* acc, bool resume) {
     detail::kTable[rn - 1](rows, x, tb, seg * kSegBlocks, std::min(nb, (seg + 1) * kSegBlocks), acc, resume);
