@@ -183,25 +183,22 @@ inline void tile_bf16(const uint16_t* w, std::size_t ws, const uint32_t* xt, std
 
 namespace detail {
 
-using TileFn = void (*)(const float*, const float*, std::size_t, float*, bool, NoSideWork&&);
-
-// kTable[R - 1]: the tile for a block of R rows (full blocks and the last one).
-template <class A, int... R>
-constexpr auto table(std::integer_sequence<int, R...>) {
-  return std::array<TileFn, sizeof...(R)>{&tile<A, R + 1, NoSideWork>...};
+// A tile kernel's table by row count: {tile_for.operator()<1>(), ..., tile_for.operator()<N>()}, so that
+// table[R - 1] runs a block of R rows (full blocks and the last one).
+template <int N, class TileFor>
+constexpr auto row_table(TileFor tile_for) {
+  return [tile_for]<int... R>(std::integer_sequence<int, R...>) {
+    return std::array{tile_for.template operator()<R + 1>()...};
+  }(std::make_integer_sequence<int, N>{});
 }
+
 template <class A>
-inline constexpr auto kTable = table<A>(std::make_integer_sequence<int, kRows<A>>{});
+inline constexpr auto kTable = row_table<kRows<A>>([]<int R>() { return &tile<A, R, NoSideWork>; });
 
 #if PP_HAVE_BF16_DOT
-using Bf16TileFn = void (*)(const uint16_t*, std::size_t, const uint32_t*, std::size_t, float*, bool);
-template <int V, int... R>
-constexpr auto bf16_table(std::integer_sequence<int, R...>) {
-  return std::array<Bf16TileFn, sizeof...(R)>{&tile_bf16<R + 1, V>...};
-}
 // kBf16Table[V - 1][R - 1]: the tile for R rows and V token vectors.
-inline constexpr std::array<std::array<Bf16TileFn, kBf16Rows>, 2> kBf16Table = {
-    bf16_table<1>(std::make_integer_sequence<int, kBf16Rows>{}), bf16_table<2>(std::make_integer_sequence<int, kBf16Rows>{})};
+inline constexpr std::array kBf16Table = {row_table<kBf16Rows>([]<int R>() { return &tile_bf16<R, 1>; }),
+                                          row_table<kBf16Rows>([]<int R>() { return &tile_bf16<R, 2>; })};
 #endif
 
 // Tile results out[r * TB + t] (rn rows, tn tokens) into y[t * ys + r]: transposed in L1 first, then

@@ -228,28 +228,16 @@ inline void tile(const RowBlock& rows, const PackedX& x, std::size_t tb, std::si
   }
 }
 
-namespace detail {
-using TileFn = void (*)(const RowBlock&, const PackedX&, std::size_t, std::size_t, std::size_t, float*, bool);
-template <int... R>
-constexpr auto table(std::integer_sequence<int, R...>) {
-  return std::array<TileFn, sizeof...(R)>{&tile<R + 1>...};
-}
-inline constexpr auto kTable = table(std::make_integer_sequence<int, kRows>{});
-
-inline RowBlock& row_block() {
-  static thread_local RowBlock s;
-  return s;
-}
-}  // namespace detail
+// kTable[R - 1]: the tile for a block of R rows.
+inline constexpr auto kTable = gemm::detail::row_table<kRows>([]<int R>() { return &tile<R>; });
 
 // y[m, w.rows] (rows [r0, r1) only) = x * w^T for F16 weights, x packed by pack_blocks; k in segments of
-// gemm::kSegK (gemm::for_each_tile).
+// gemm::kSegK (gemm::for_each_tile). The row block's codes are the calling thread's.
 inline void matmul_packed(const MatView& w, const PackedX& x, float* y, std::size_t r0, std::size_t r1) {
-  constexpr int R = kRows;
   constexpr std::size_t kSegBlocks = gemm::kSegK / kQ;
   const std::size_t k = w.cols, nb = x.nb;
-  RowBlock& rows = detail::row_block();
-  if (rows.codes.size() < R * gemm::kSegK) rows.codes = Buffer<int16_t>(R * gemm::kSegK);
+  static thread_local RowBlock rows;
+  if (rows.codes.size() < kRows * gemm::kSegK) rows.codes = Buffer<int16_t>(kRows * gemm::kSegK);
   auto prepare = [&](std::size_t rb, std::size_t rn, std::size_t seg) {
     for (std::size_t r = 0; r < rn; ++r)
       prepare_row(reinterpret_cast<const uint16_t*>(w.row(rb + r)) + seg * gemm::kSegK, gemm::seg_len(k, seg),
@@ -259,9 +247,9 @@ inline void matmul_packed(const MatView& w, const PackedX& x, float* y, std::siz
     gemm::prefetch_rows<2>(w, rb, rn, seg * gemm::kSegK, gemm::seg_len(k, seg), 2);  // into L2
   };
   auto tile = [&](std::size_t, std::size_t rn, std::size_t tb, std::size_t seg, float* acc, bool resume) {
-    detail::kTable[rn - 1](rows, x, tb, seg * kSegBlocks, std::min(nb, (seg + 1) * kSegBlocks), acc, resume);
+    kTable[rn - 1](rows, x, tb, seg * kSegBlocks, std::min(nb, (seg + 1) * kSegBlocks), acc, resume);
   };
-  gemm::for_each_tile<R>(x.blocks(), gemm::seg_count(k), std::min(nb, kSegBlocks) * kBlockBytes, x.m, y, w.rows, r0,
+  gemm::for_each_tile<kRows>(x.blocks(), gemm::seg_count(k), std::min(nb, kSegBlocks) * kBlockBytes, x.m, y, w.rows, r0,
                          r1, prepare, prefetch, tile);
 }
 #endif

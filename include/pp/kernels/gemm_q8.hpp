@@ -205,13 +205,7 @@ inline void tile(const uint8_t* w, std::size_t stride, const PackedX& x, std::si
 #endif
 
 namespace detail {
-using TileFn = void (*)(const uint8_t*, std::size_t, const PackedX&, std::size_t, std::size_t, std::size_t,
-                        const RowBlock&, float*, bool);
-template <int... R>
-constexpr auto table(std::integer_sequence<int, R...>) {
-  return std::array<TileFn, sizeof...(R)>{&tile<R + 1>...};
-}
-inline constexpr auto kTable = table(std::make_integer_sequence<int, kRows>{});
+inline constexpr auto kTable = gemm::detail::row_table<kRows>([]<int R>() { return &tile<R>; });
 
 inline RowBlock& row_block() {
   static thread_local RowBlock s;

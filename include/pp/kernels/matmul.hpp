@@ -312,6 +312,20 @@ inline std::size_t tile_rows_per_item(std::size_t rows, unsigned threads) {
   return std::clamp<std::size_t>(rows / (8 * std::size_t(threads)) / 12 * 12, 12, gemm::kGroupBlocks * 12);
 }
 
+// A bulk call on a kernel whose activations are packed once per call (Packed: its PackedX): prepare(px)
+// sizes the caller's buffer (grown to the largest call, then reused; the pool's threads get it by
+// reference, a thread_local named in their tasks would be theirs), the pool packs its token blocks
+// (pack(px, b, e)), then run(px, r0, r1) over the rows, items claimed by the threads.
+template <class Packed, class Prepare, class Pack, class Run>
+inline void run_packed(ThreadPool& pool, std::size_t rows, Prepare&& prepare, Pack&& pack, Run&& run) {
+  static thread_local Packed tls;
+  Packed& px = tls;
+  prepare(px);
+  pool.parallel_for(px.blocks(), [&](std::size_t b, std::size_t e, unsigned) { pack(px, b, e); });
+  for_claimed_rows(pool, rows, tile_rows_per_item(rows, pool.size()),
+                   [&](std::size_t r0, std::size_t r1) { run(std::as_const(px), r0, r1); });
+}
+
 // y[m, w.rows] = x[m, w.cols] * w^T, output rows split across the pool. bulk: the rows belong to bulk
 // requests (see kBulkRows); the caller decides, so that a row's path depends on its own request only.
 template <class A = simd::Best>
@@ -330,44 +344,33 @@ inline void matmul(ThreadPool& pool, const MatView& w, const float* x, std::size
   const std::size_t n_tasks = (w.rows + kGrain - 1) / kGrain;
   const Kernel kernel = kernel_for(w, path, bulk);
 #if PP_HAVE_Q8_TILES
-  if (kernel == Kernel::q8_tiles) {
-    static thread_local gemm_q8::PackedX tls;  // the caller's, grown to the largest call (see below)
-    gemm_q8::PackedX& px = tls;
-    gemm_q8::prepare(px, m, w.cols);
-    pool.parallel_for(px.blocks(), [&](std::size_t b, std::size_t e, unsigned) { gemm_q8::pack_blocks(xq, px, b, e); });
-    for_claimed_rows(pool, w.rows, tile_rows_per_item(w.rows, pool.size()),
-                     [&](std::size_t r0, std::size_t r1) { gemm_q8::matmul_packed(w, px, y, r0, r1); });
-    return;
-  }
+  if (kernel == Kernel::q8_tiles)
+    return run_packed<gemm_q8::PackedX>(
+        pool, w.rows, [&](auto& px) { gemm_q8::prepare(px, m, w.cols); },
+        [&](auto& px, std::size_t b, std::size_t e) { gemm_q8::pack_blocks(xq, px, b, e); },
+        [&](const auto& px, std::size_t r0, std::size_t r1) { gemm_q8::matmul_packed(w, px, y, r0, r1); });
 #endif
 #if PP_HAVE_F16_TILES
-  if (kernel == Kernel::f16_tiles) {
-    static thread_local gemm_f16::PackedX tls;  // the caller's (see above)
-    gemm_f16::PackedX& px = tls;
-    gemm_f16::prepare(px, m, w.cols);
-    pool.parallel_for(px.blocks(), [&](std::size_t b, std::size_t e, unsigned) { gemm_f16::pack_blocks(x, px, b, e); });
-    for_claimed_rows(pool, w.rows, tile_rows_per_item(w.rows, pool.size()),
-                     [&](std::size_t r0, std::size_t r1) { gemm_f16::matmul_packed(w, px, y, r0, r1); });
-    return;
-  }
+  if (kernel == Kernel::f16_tiles)
+    return run_packed<gemm_f16::PackedX>(
+        pool, w.rows, [&](auto& px) { gemm_f16::prepare(px, m, w.cols); },
+        [&](auto& px, std::size_t b, std::size_t e) { gemm_f16::pack_blocks(x, px, b, e); },
+        [&](const auto& px, std::size_t r0, std::size_t r1) { gemm_f16::matmul_packed(w, px, y, r0, r1); });
 #endif
 #if PP_HAVE_AMX
   if (kernel == Kernel::amx) return matmul_amx<A>(pool, w, x, m, y);
 #endif
   if (kernel == Kernel::tiles || kernel == Kernel::tiles_bf16) {
     const bool fast_bf16 = kernel == Kernel::tiles_bf16;
-    // Packed once per call by the pool into the caller's buffer (grown to the largest call, then reused).
-    static thread_local gemm::PackedX tls;
-    gemm::PackedX& px = tls;
-    gemm::prepare(px, m, w.cols, fast_bf16);
-    pool.parallel_for(px.blocks(), [&](std::size_t b, std::size_t e, unsigned) { gemm::pack_blocks(x, px, b, e); });
-    for_claimed_rows(pool, w.rows, tile_rows_per_item(w.rows, pool.size()), [&](std::size_t r0, std::size_t r1) {
+    return run_packed<gemm::PackedX>(
+        pool, w.rows, [&](auto& px) { gemm::prepare(px, m, w.cols, fast_bf16); },
+        [&](auto& px, std::size_t b, std::size_t e) { gemm::pack_blocks(x, px, b, e); },
+        [&](const auto& px, std::size_t r0, std::size_t r1) {
 #if PP_HAVE_BF16_DOT
-      if (fast_bf16) return gemm::matmul_packed_bf16(w, px, y, r0, r1);
+          if (fast_bf16) return gemm::matmul_packed_bf16(w, px, y, r0, r1);
 #endif
-      gemm::matmul_packed<A>(w, px, y, r0, r1);
-    });
-    return;
+          gemm::matmul_packed<A>(w, px, y, r0, r1);
+        });
   }
 #if PP_HAVE_BF16_DOT
   if (kernel == Kernel::dot_bf16) {
