@@ -183,7 +183,7 @@ void BM_MatmulBulk(benchmark::State& st) {
   st.SetLabel(std::string(pp::dtype_name(type)) + " " + std::to_string(rows) + "x" + std::to_string(cols) + " " +
               (q8            ? (kernel == 0 ? "fast: int8 dot kernels" : std::string("fast: ") + kQ8TilesName)
                : kernel == 0 ? "dot kernels"
-               : fast_f16    ? "fast: int16 tiles"
+               : fast_f16    ? std::string("fast: ") + pp::kernels::gemm_f16::kName
                : kernel == 2 ? "fast: bf16 dot tiles"
                : pp::kernels::amx::applies(mv) ? "AMX tiles" : "vector tiles"));
 }

@@ -183,8 +183,9 @@ class Stage {
     for (const gguf::TensorInfo& t : model.gguf().tensors) {
       // The head's matrix is output.weight, or the embedding table when the two are tied.
       const bool head = t.name == "output.weight" || (!has_output && t.name == "token_embd.weight");
-      bf16_blocks = bf16_blocks || ((head || t.name.starts_with("blk.")) && t.type == gguf::TensorType::BF16);
-      f16_blocks = f16_blocks || ((head || t.name.starts_with("blk.")) && t.type == gguf::TensorType::F16);
+      const bool multiplied = head || t.name.starts_with("blk.");
+      bf16_blocks = bf16_blocks || (multiplied && t.type == gguf::TensorType::BF16);
+      f16_blocks = f16_blocks || (multiplied && t.type == gguf::TensorType::F16);
       if (!t.name.starts_with("blk.")) continue;
       q8_blocks = q8_blocks || t.type == gguf::TensorType::Q8_0;
     }

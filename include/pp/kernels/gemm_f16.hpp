@@ -34,7 +34,6 @@
 #include <array>
 #include <bit>
 #include <climits>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -57,12 +56,11 @@ static_assert(gemm::kSegK % kQ == 0);
 // 2^e as a float, e within the normal range.
 inline float pow2(int e) { return std::bit_cast<float>(uint32_t(e + 127) << 23); }
 
-// The exponent e of the codes v * 2^-e of values whose largest magnitude is `max` (finite, > 0), so that
-// |v * 2^-e| < 2^bits: max < 2^E with E = frexp's exponent, e = E - bits.
+// The exponent e of the codes v * 2^-e of values whose largest magnitude is `max` (a normal float), so
+// that |v * 2^-e| < 2^bits: max < 2^E with E = frexp's exponent (the biased exponent - 126), e = E - bits.
+// From the bits: this runs per token and block of every prompt, where frexp was a libm call.
 inline int code_exponent(float max, int bits) {
-  int E = 0;
-  std::frexp(max, &E);
-  return E - bits;
+  return int((std::bit_cast<uint32_t>(max) >> 23) & 0xff) - 126 - bits;
 }
 
 // Values of magnitude below this in a whole block are taken as zero: 2^-e stays a normal float.
