@@ -58,7 +58,7 @@ struct StageOptions {
   // f32 inside the dot, within 1e-3 of float64). Float weights ignore it.
   bool fast_quant = true;
   // BF16 weights: activations rounded to bf16 and the CPU's bf16 dot (AVX512-BF16, AArch64 BF16), in prompts and
-  // decode steps alike, llama.cpp's numerics. F16 weights: prompts on int16 tiles (AVX512-VNNI,
+  // decode steps alike, llama.cpp's numerics. F16 weights: prompts on int16 tiles (AVX512-VNNI or AVX2,
   // kernels/gemm_f16.hpp: closer to exact than llama.cpp's f16 activations), decode steps exact. False:
   // the exact path (f32 activations, within 1e-3 of float64). Unset: kernels::fast_float_default(), fast
   // where this build has a fast path and the CPU no AMX. Other weight types ignore it.

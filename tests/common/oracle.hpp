@@ -1,10 +1,15 @@
-// Building blocks of the float64 oracles of the kernel and quant tests: random f32 data, f32 buffers seen
-// as Eigen float64 matrices, and the rounding bound of an f32 chain.
+// Building blocks of the float64 oracles of the kernel and quant tests: random f32 data, weights stored as
+// a type holds them, f32 buffers seen as Eigen float64 matrices, and the rounding bound of an f32 chain.
 #pragma once
+
+#include <pp/core/dtype.hpp>
+#include <pp/core/float16.hpp>
 
 #include <Eigen/Dense>
 
 #include <cstddef>
+#include <cstdint>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -46,5 +51,28 @@ inline double gamma_f32(std::size_t n) {
   const double nu = double(n) * 0x1p-24;
   return nu / (1 - nu);
 }
+
+// Stored weights of `type` for values w (rounded to the type), and the f32 values they hold.
+struct Stored {
+  std::vector<uint8_t> bytes;
+  std::vector<float> values;
+};
+inline Stored store(pp::DType t, const std::vector<float>& w) {
+  Stored s;
+  s.values.resize(w.size());
+  s.bytes.resize(pp::row_bytes(t, w.size()));
+  for (std::size_t i = 0; i < w.size(); ++i) {
+    if (t == pp::DType::F32) {
+      s.values[i] = w[i];
+      std::memcpy(&s.bytes[i * 4], &w[i], 4);
+    } else {
+      const uint16_t h = t == pp::DType::BF16 ? pp::f32_to_bf16(w[i]) : pp::f32_to_f16(w[i]);
+      s.values[i] = t == pp::DType::BF16 ? pp::bf16_to_f32(h) : pp::f16_to_f32(h);
+      std::memcpy(&s.bytes[i * 2], &h, 2);
+    }
+  }
+  return s;
+}
+
 
 }  // namespace pp::test

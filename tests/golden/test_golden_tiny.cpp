@@ -107,7 +107,7 @@ TEST_P(GoldenTinyFast, PromptWithinLlamaCppsDistanceOfExact) {
   if (dt == "bf16" && !pp::kernels::gemm::kHaveFastBf16)
     GTEST_SKIP() << "no bf16 dot in this build (AVX512-BF16, AArch64 BF16): no fast path";
   if (dt == "f16" && !pp::kernels::gemm_f16::kAvailable)
-    GTEST_SKIP() << "no int16 tiles in this build (AVX512-VNNI): no fast path for F16";
+    GTEST_SKIP() << "no int16 tiles in this build (AVX512-VNNI, or AVX2 without AVX-512): no fast path for F16";
   const auto dir = pp::test::data_dir() / "golden-tiny";
   const json ref = pp::test::load_json(dir / ("golden-tiny-" + dt + "." + prompt + ".exact.json"));
   const json llama = pp::test::load_json(dir / ("golden-tiny-" + dt + "." + prompt + ".kvf32.json"));
