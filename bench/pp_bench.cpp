@@ -77,6 +77,35 @@ void matvec_args(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(BM_Matvec)->Apply(matvec_args)->Unit(benchmark::kMicrosecond)->UseRealTime();
 
+// A decode step's matvec against weights 64-byte aligned (offset 0: the stage's anonymous copy) or 32 bytes
+// off (a GGUF file's tensors are 32-byte aligned, so a mapped stage reads about half of them that way),
+// BF16 on the fast path where it exists (the bf16 dot), else exact; one thread, activations aligned.
+// Weights larger than any L3 (1 GiB in several matrices, each step reading the next), as decode reads them.
+void BM_MatvecOffset(benchmark::State& st) {
+  const std::size_t offset = std::size_t(st.range(0)), rows = std::size_t(st.range(1)), cols = 2048;
+  const std::size_t bytes = pp::row_bytes(pp::DType::BF16, cols) * rows, mats = std::max<std::size_t>(1, (1u << 30) / bytes);
+  pp::AnonymousRegion w(mats * bytes + 64);
+  std::mt19937 rng(1);
+  for (std::size_t i = 0; i < (mats * bytes + 64) / 2; ++i)
+    reinterpret_cast<uint16_t*>(w.data())[i] = uint16_t(0x3f80 ^ (rng() & 0x007f));
+  pp::Buffer<float> x(cols);
+  std::fill(x.data(), x.data() + cols, 0.5f);
+  std::vector<float> y(rows);
+  std::vector<uint8_t> xq(pp::kernels::xq_row_bytes(cols));
+  pp::ThreadPool pool(1);
+  std::size_t m = 0;
+  for (auto _ : st) {
+    pp::MatView mv{pp::DType::BF16, w.data() + offset + m * bytes, rows, cols, pp::row_bytes(pp::DType::BF16, cols)};
+    pp::kernels::matmul(pool, mv, x.data(), 1, y.data(), {false, xq, pp::kernels::gemm::kHaveFastBf16});
+    benchmark::DoNotOptimize(y.data());
+    m = (m + 1) % mats;
+  }
+  st.counters["GB/s"] = benchmark::Counter(double(bytes), benchmark::Counter::kIsIterationInvariantRate);
+  st.SetLabel(std::string("BF16 ") + (pp::kernels::gemm::kHaveFastBf16 ? "bf16 dot " : "exact ") + std::to_string(rows) +
+              "x2048, weights " + std::to_string(offset) + " bytes past 64-byte alignment");
+}
+BENCHMARK(BM_MatvecOffset)->ArgsProduct({{0, 32}, {8192, 128256}})->Unit(benchmark::kMicrosecond)->UseRealTime();
+
 // The quantized fast path's decode step: one token (or a 4-token tile) against a matrix of valid blocks
 // (random codes, scales near 1) streamed from memory; the activation quantization is in the time.
 void BM_MatvecQuant(benchmark::State& st) {
