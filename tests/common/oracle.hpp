@@ -74,5 +74,4 @@ inline Stored store(pp::DType t, const std::vector<float>& w) {
   return s;
 }
 
-
 }  // namespace pp::test

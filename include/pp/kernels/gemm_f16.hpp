@@ -228,7 +228,6 @@ inline void tile(const RowBlock& rows, const PackedX& x, std::size_t tb, std::si
   }
 }
 
-// kTable[R - 1]: the tile for a block of R rows.
 #else
 // AVX2 forms of the three above; the same codes, scales and sums (see Numerics).
 
@@ -246,8 +245,11 @@ inline __m256i narrow_epi32(__m256i lo, __m256i hi) {
 }
 
 inline float quantize_act_block(const float* x, std::size_t n, __m256i& codes) {
-  alignas(32) float tail[kQ] = {};
-  if (n < kQ) x = static_cast<const float*>(std::memcpy(tail, x, n * sizeof(float)));
+  alignas(32) float tail[kQ];
+  if (n < kQ) {  // the last block of a row whose k is not a multiple of kQ
+    std::fill(std::copy(x, x + n, tail), tail + kQ, 0.f);
+    x = tail;
+  }
   const __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8);
   const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
   const uint32_t max_bits = max_epu32(_mm256_max_epu32(_mm256_and_si256(_mm256_castps_si256(v0), magnitude),
@@ -286,10 +288,14 @@ inline void prepare_row(const uint16_t* src, std::size_t n, int16_t* codes, floa
   auto code = [&](const uint16_t* p) {
     return _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), inv));
   };
-  for (std::size_t i = 0; i < n; i += kQ) {
-    alignas(32) uint16_t tail[kQ] = {};
-    const uint16_t* p = n - i >= kQ ? src + i : static_cast<const uint16_t*>(std::memcpy(tail, src + i, (n - i) * 2));
+  auto store = [&](const uint16_t* p, std::size_t i) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i), narrow_epi32(code(p), code(p + 8)));
+  };
+  for (std::size_t i = 0; i < whole; i += kQ) store(src + i, i);
+  if (whole < n) {
+    alignas(32) uint16_t tail[kQ] = {};
+    std::copy(src + whole, src + n, tail);
+    store(tail, whole);
   }
   scale = pow2(e);
 }
@@ -312,8 +318,8 @@ inline void tile(const RowBlock& rows, const PackedX& x, std::size_t tb, std::si
       __m256i xv[V];
       for (std::size_t v = 0; v < V; ++v) {
         xv[v] = _mm256_load_si256(reinterpret_cast<const __m256i*>(xb + (j * TB + v * 8) * 4));
-        // In a register: GCC would fold the load into every vpmaddwd, R loads instead of one (Zen 5 then
-        // ran the tile 27% slower).
+        // In a register: GCC would fold the load into every vpmaddwd, R loads instead of one
+        // (BM_MatmulBulk F16 with 3 rows a tile, Zen 5: 105-108 GFLOP/s folded, 114-116 in registers).
         __asm__("" : "+x"(xv[v]));
       }
 #pragma GCC unroll 8
@@ -325,7 +331,8 @@ inline void tile(const RowBlock& rows, const PackedX& x, std::size_t tb, std::si
           const __m256i p = _mm256_madd_epi16(xv[v], wq);
           sum[r][v] = j == 0 ? p : _mm256_add_epi32(sum[r][v], p);
           // Opaque to the optimizer: GCC 12 otherwise reassociates a block's int32 adds into a tree
-          // whose products spill to the stack (a third slower than the exact tiles).
+          // whose products spill to the stack (BM_MatmulBulk F16, Zen 5: 69-73 GFLOP/s, the exact tiles
+          // 96-97).
           __asm__("" : "+x"(sum[r][v]));
         }
       }
@@ -364,6 +371,7 @@ inline void pack_blocks(const float* x, PackedX& p, std::size_t tb0, std::size_t
     }
 }
 
+// kTable[R - 1]: the tile for a block of R rows.
 inline constexpr auto kTable = gemm::detail::row_table<kRows>([]<int R>() { return &tile<R>; });
 
 // y[m, w.rows] (rows [r0, r1) only) = x * w^T for F16 weights, x packed by pack_blocks; k in segments of
